@@ -1,0 +1,29 @@
+# `make test` sets up everything from a fresh machine: the virtual environment .venv/, the CPU
+# build of PyTorch (pinned: an unpinned torch pulls a multi-GB CUDA build), the package in
+# editable mode with its console scripts, and what the tests need; then it runs the suite.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[test,triton]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/train_tiny.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

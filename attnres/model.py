@@ -1,0 +1,375 @@
+"""The reference decoder LM: RoPE, grouped-query attention, SwiGLU, and any residual stream.
+
+The transformer never knows which residual design it has::
+
+    state = stream.init(embed(tokens))
+    for i, sublayer in enumerate(sublayers):          # attn, mlp, attn, mlp, ...
+        state = stream.write(state, i, sublayer(stream.read(state, i)))
+    logits = lm_head(stream.output(state))
+
+Parameter names do not depend on the stream: ``tok_embeddings``, ``layers.{l}.attn.{wq,wk,wv,wo}``,
+``layers.{l}.mlp.{w1,w2,w3}``, ``stream.norms.{i}``, ``stream.final_norm``, ``lm_head``; a stream's
+own parameters live under ``stream.``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .streams import KINDS, STREAMS, Stream, Trace, build_stream
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and residual design of the reference LM.
+
+    The residual options are flat fields; each applies only to the kinds listed (setting one
+    for another kind is an error, so nothing is silently ignored):
+
+    - ``heads``: depth-attention heads (MHAR) for full/block/delta.
+    - ``block_size`` (sublayers) or ``num_blocks`` (default 8) for block/delta.
+    - ``query`` (``"static"``/``"input"``), ``score`` (``"softmax"``/``"sigmoid"``), ``key_norm``:
+      the AttnRes ablations (SPEC section 9) for full/block/delta.
+    - ``streams``: number of streams/branches for hc/mhc/gr; ``gr_rank``: GR's gate rank;
+      ``sinkhorn_iterations``: mHC.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # default: n_heads (no grouping)
+    ffn_dim: int | None = None  # default: 8/3 dim rounded up to a multiple of 32
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    residual: str = "prenorm"
+    heads: int = 1
+    block_size: int | None = None
+    num_blocks: int | None = None
+    query: str = "static"
+    score: str = "softmax"
+    key_norm: bool = True
+    streams: int = 4
+    gr_rank: int | None = None
+    sinkhorn_iterations: int = 20
+
+    # config field -> stream option name
+    _STREAM_FIELDS = {
+        "heads": "heads",
+        "block_size": "block_size",
+        "num_blocks": "num_blocks",
+        "query": "query",
+        "score": "score",
+        "key_norm": "key_norm",
+        "streams": "streams",
+        "gr_rank": "rank",
+        "sinkhorn_iterations": "sinkhorn_iterations",
+    }
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = 32 * math.ceil(8 * self.dim / 3 / 32)
+        if self.dim % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads!r} must be a positive integer dividing n_heads={self.n_heads}"
+            )
+        if self.residual not in KINDS:
+            raise ValueError(f"residual={self.residual!r} is not one of {KINDS}")
+        accepted = STREAMS[self.residual].options
+        for fname, option in self._STREAM_FIELDS.items():
+            default = next(f.default for f in dataclasses.fields(self) if f.name == fname)
+            if option not in accepted and getattr(self, fname) != default:
+                raise ValueError(
+                    f"{fname}={getattr(self, fname)!r} does not apply to residual={self.residual!r}"
+                )
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def stream_options(self) -> dict:
+        """The options of ``build_stream`` this config sets for its residual kind."""
+        accepted = STREAMS[self.residual].options
+        return {
+            option: getattr(self, fname)
+            for fname, option in self._STREAM_FIELDS.items()
+            if option in accepted
+        }
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_len, head_dim]`` for the rotate-half RoPE convention (fp32)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [T, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, hd]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, hd]`` by position; ``cos``/``sin`` ``[T, hd]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of every layer, ``[n_layers, B, n_kv_heads, max_len, head_dim]``."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, *, dtype, device):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k``, ``v`` ``[B, Hkv, T, hd]`` at positions ``start..start+T`` and return all
+        keys and values so far."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE through ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, start_pos: int = 0):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.update(layer, start_pos, k, v)
+            if start_pos > 0:
+                causal = False
+                if T > 1:  # a chunk after a prefix: query t sees keys up to start_pos + t
+                    pos_q = torch.arange(start_pos, start_pos + T, device=x.device)
+                    mask = pos_q[:, None] >= torch.arange(k.shape[2], device=x.device)[None, :]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Layer(nn.Module):
+    """One transformer layer: two sublayers, attention then MLP. It owns no norms: the stream does."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn = Attention(config)
+        self.mlp = MLP(config)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM with a pluggable residual stream (``config.residual``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
+        self.stream: Stream = build_stream(
+            config.residual,
+            dim=config.dim,
+            num_sublayers=config.num_sublayers,
+            eps=config.norm_eps,
+            **config.stream_options(),
+        )
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The one place weights are initialized: N(0, init_std) for embeddings and projections,
+        scaled by 1/sqrt(2 n_layers) for the projections that write into the residual (wo, w2);
+        the stream initializes its own parameters (zero queries: uniform depth weights)."""
+        std = self.config.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for layer in self.layers:
+            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.mlp.w1, layer.mlp.w3):
+                nn.init.normal_(linear.weight, std=std)
+            for linear in (layer.attn.wo, layer.mlp.w2):
+                nn.init.normal_(linear.weight, std=std / math.sqrt(2 * self.config.n_layers))
+        self.stream.reset_parameters()
+
+    def _check_tokens(self, tokens: torch.Tensor, start_pos: int) -> None:
+        if tokens.ndim != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(
+                f"tokens must be an integer tensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        end = start_pos + tokens.shape[1]
+        if end > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence end {end} (start_pos={start_pos} + length {tokens.shape[1]}) exceeds "
+                f"max_seq_len={self.config.max_seq_len}"
+            )
+        # A value check needs a device sync on accelerators; on the CPU it is one cheap reduction.
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """The final normalized hidden state ``[B, T, D]`` (the stream's output)."""
+        self._check_tokens(tokens, start_pos)
+        T = tokens.shape[1]
+        cos = self.rope_cos[start_pos : start_pos + T]
+        sin = self.rope_sin[start_pos : start_pos + T]
+        stream = self.stream
+        state = stream.init(self.tok_embeddings(tokens))
+        for l, layer in enumerate(self.layers):
+            i = 2 * l
+            state = stream.write(state, i, layer.attn(stream.read(state, i), cos, sin, cache, l, start_pos))
+            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1)))
+        return stream.output(state)
+
+    def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
+                return_depth_weights: bool = False):
+        """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``.
+
+        With ``return_depth_weights=True`` returns ``(logits, weights)`` where ``weights[site]`` is
+        the routing of sublayer ``site`` (``M`` for the output), ``[N_sources, B, T, heads]``.
+        """
+        if return_depth_weights:
+            with self.trace() as trace:
+                logits = self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos))
+            return logits, trace.depth_weights
+        return self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats) of ``targets`` ``[B, T]`` given ``tokens``."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @contextmanager
+    def trace(self):
+        """Record depth weights and read RMS of every site during the forward passes inside::
+
+            with model.trace() as trace:
+                model(tokens)
+            trace.depth_weights[3]  # [N_sources, B, T, heads]
+        """
+        trace = Trace()
+        self.stream.trace = trace
+        try:
+            yield trace
+        finally:
+            self.stream.trace = None
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        c = self.config
+        ref = self.lm_head.weight
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len or c.max_seq_len, c.head_dim,
+                       dtype=ref.dtype, device=ref.device)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``prompt`` ``[B, T]`` by ``max_new_tokens`` tokens with a KV cache; returns
+        ``[B, T + max_new_tokens]``. ``temperature=0`` is greedy; ``top_k`` keeps the k likeliest."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k={top_k} must be in [1, {self.config.vocab_size}]")
+        B, T = prompt.shape
+        total = T + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        out = [prompt]
+        if max_new_tokens == 0:
+            return prompt
+        cache = self.new_cache(B, total)
+        logits = self(prompt, cache=cache, start_pos=0)[:, -1]
+        for step in range(max_new_tokens):
+            next_token = sample(logits, temperature, top_k, generator)
+            out.append(next_token)
+            if step + 1 < max_new_tokens:
+                logits = self(next_token, cache=cache, start_pos=T + step)[:, -1]
+        return torch.cat(out, dim=1)
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ``[B, 1]`` from logits ``[B, V]``: argmax at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices decay; norms, gains, pseudo-queries, biases, gates and the
+    other vectors a stream declares (``Stream.no_weight_decay``) do not."""
+    exempt: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, Stream):
+            exempt |= {f"{prefix}.{n}" if prefix else n for n in module.no_weight_decay()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or name in exempt else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -1,0 +1,83 @@
+"""Depth attention: one learned pseudo-query mixes the outputs of earlier sublayers.
+
+``depth_attention`` is the single entry point every AttnRes-family stream calls. It validates its
+inputs once (shapes only, nothing that costs a device sync) and dispatches to a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .naive import depth_attention_naive
+
+SCORES = ("softmax", "sigmoid")
+
+
+def check_depth_inputs(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    gain: torch.Tensor | None,
+    heads: int,
+    score: str = "softmax",
+) -> None:
+    """Raise ``ValueError`` naming the bad value when the inputs do not fit together."""
+    if isinstance(sources, torch.Tensor) or not isinstance(sources, Sequence):
+        raise ValueError(
+            f"sources must be a list or tuple of [..., D] tensors, got {type(sources).__name__}"
+        )
+    if len(sources) == 0:
+        raise ValueError("sources is empty: depth attention needs at least one source")
+    shape = sources[0].shape
+    for j, s in enumerate(sources):
+        if s.shape != shape:
+            raise ValueError(
+                f"sources[{j}] has shape {tuple(s.shape)} but sources[0] has {tuple(shape)}: "
+                "all sources must share one shape [..., D]"
+            )
+    dim = shape[-1] if len(shape) else 0
+    if len(shape) == 0 or dim == 0:
+        raise ValueError(f"sources must have a non-empty last dim D, got shape {tuple(shape)}")
+    if query.shape[-1:] != (dim,):
+        raise ValueError(f"query has shape {tuple(query.shape)}; its last dim must be D={dim}")
+    if gain is not None and gain.shape != (dim,):
+        raise ValueError(f"gain has shape {tuple(gain.shape)}; expected [D]=[{dim}]")
+    if not isinstance(heads, int) or heads < 1 or dim % heads:
+        raise ValueError(f"heads={heads} must be a positive integer dividing D={dim}")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r} is not one of {SCORES}")
+
+
+def depth_attention(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    gain: torch.Tensor | None = None,
+    *,
+    heads: int = 1,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+    score: str = "softmax",
+    key_norm: bool = True,
+):
+    """Route over depth (SPEC sections 2 and 4).
+
+    Args:
+        query: pseudo-query ``[D]`` (or per-token ``[..., D]`` for the input-dependent ablation).
+        sources: non-empty list of ``[..., D]`` tensors, the raw values to mix; never stacked by
+            the caller.
+        gain: key-norm gain ``[D]`` or None.
+        heads: number of depth-attention heads (MHAR); ``heads=1`` is plain AttnRes.
+        eps: RMSNorm epsilon for the keys.
+        return_weights: also return the weights ``[N, ..., heads]``.
+        score: ``"softmax"`` (the method) or ``"sigmoid"`` (SPEC section 9 ablation).
+        key_norm: normalize keys with RMSNorm (``False`` is the SPEC section 9 ablation).
+
+    Returns:
+        ``[..., D]`` in the sources' dtype (math in fp32), and the weights if requested.
+    """
+    check_depth_inputs(query, sources, gain, heads, score)
+    return depth_attention_naive(
+        query, sources, gain, heads=heads, eps=eps, score=score, key_norm=key_norm,
+        return_weights=return_weights,
+    )

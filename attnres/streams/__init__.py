@@ -1,0 +1,76 @@
+"""Every residual design on one protocol: ``init / read / write / output``.
+
+``build_stream(kind, dim=..., num_sublayers=..., **options)`` makes one; the table below says
+which options each kind accepts (all have defaults).
+
+=========  ===============================  ==========================================
+kind       design                           options
+=========  ===============================  ==========================================
+prenorm    PreNorm residual (baseline)      eps
+full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm
+block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8 blocks)
+delta      Delta AttnRes (conversion)       same as block
+hc         Hyper-Connections (dynamic)      streams (default 4)
+mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations
+gr         Gated Residual                   streams (default 4), rank (default dim // 8)
+=========  ===============================  ==========================================
+"""
+
+from __future__ import annotations
+
+from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAttnResStream
+from .base import Stream, Trace, resolve_block_size
+from .delta import DeltaAttnResStream, DeltaState
+from .gated import GatedResidualStream, gated_branch_mix
+from .hc import HyperConnectionStream
+from .mhc import ManifoldHyperConnectionStream
+from .prenorm import PreNormStream
+
+STREAMS: dict[str, type[Stream]] = {
+    cls.kind: cls
+    for cls in (
+        PreNormStream,
+        FullAttnResStream,
+        BlockAttnResStream,
+        DeltaAttnResStream,
+        HyperConnectionStream,
+        ManifoldHyperConnectionStream,
+        GatedResidualStream,
+    )
+}
+KINDS = tuple(STREAMS)
+
+
+def build_stream(kind: str, *, dim: int, num_sublayers: int, eps: float = 1e-6, **options) -> Stream:
+    """Build the stream of residual design ``kind`` (one of ``KINDS``) for ``num_sublayers``
+    sublayers of width ``dim``. Options a kind does not accept raise ``ValueError``."""
+    if kind not in STREAMS:
+        raise ValueError(f"unknown residual kind {kind!r}; expected one of {KINDS}")
+    cls = STREAMS[kind]
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise ValueError(
+            f"option(s) {unknown} do not apply to kind {kind!r}; it accepts {list(cls.options) or 'none'}"
+        )
+    return cls(dim, num_sublayers, eps, **options)
+
+
+__all__ = [
+    "KINDS",
+    "STREAMS",
+    "BlockAttnResStream",
+    "BlockState",
+    "DeltaAttnResStream",
+    "DeltaState",
+    "DepthRoutingStream",
+    "FullAttnResStream",
+    "GatedResidualStream",
+    "HyperConnectionStream",
+    "ManifoldHyperConnectionStream",
+    "PreNormStream",
+    "Stream",
+    "Trace",
+    "build_stream",
+    "gated_branch_mix",
+    "resolve_block_size",
+]

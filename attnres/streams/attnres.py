@@ -1,0 +1,195 @@
+"""Attention Residuals: Full and Block AttnRes, single- or multi-head (SPEC sections 2-4).
+
+Full  stores: every new output ``[e, v_0, ..., v_{i-1}]``.
+      reads:  ``RMSNorm_{g_i}(sum_j alpha_j v_j)`` with ``alpha = softmax_j(w_i . RMSNorm_{k_i}(v_j))``.
+      writes: appends ``v_i``.
+Block stores: ``e``, the completed block sums ``B_0..B_{n-1}`` and the partial sum ``P_i``.
+      reads:  the same routing over ``[e, B_0, ..., B_{n-1}] (+ [P_i] when p > 0)``.
+      writes: adds ``v_i`` to the partial; the partial becomes a block every ``S`` sublayers.
+
+Every routing site (sublayer ``i``, and ``M`` for the output) has its own pseudo-query, the row
+``pseudo_queries[i]`` (zero-init: uniform weights), and key-norm gain ``key_gains[i]`` (init 1).
+``heads > 1`` is Multi-Head AttnRes: the query and keys are split into ``heads`` slices, each with
+its own depth softmax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..ops import depth_attention
+from ..ops.depth_attention import SCORES
+from .base import Stream, resolve_block_size
+
+QUERIES = ("static", "input")
+
+
+class DepthRoutingStream(Stream):
+    """Parameters and the routing call shared by the AttnRes family.
+
+    Args:
+        heads: depth-attention heads ``H`` (must divide ``dim``); 1 is single-head AttnRes.
+        query: ``"static"`` (a learned pseudo-query, the method) or ``"input"`` (SPEC section 9
+            ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized).
+        score: ``"softmax"`` or the ``"sigmoid"`` ablation.
+        key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
+    """
+
+    options = ("heads", "query", "score", "key_norm")
+
+    def __init__(
+        self,
+        dim: int,
+        num_sublayers: int,
+        eps: float = 1e-6,
+        *,
+        heads: int = 1,
+        query: str = "static",
+        score: str = "softmax",
+        key_norm: bool = True,
+    ):
+        super().__init__(dim, num_sublayers, eps)
+        if not isinstance(heads, int) or heads < 1 or dim % heads:
+            raise ValueError(f"heads={heads!r} must be a positive integer dividing dim={dim}")
+        if query not in QUERIES:
+            raise ValueError(f"query={query!r} is not one of {QUERIES}")
+        if score not in SCORES:
+            raise ValueError(f"score={score!r} is not one of {SCORES}")
+        self.heads = heads
+        self.query = query
+        self.score = score
+        self.key_norm = bool(key_norm)
+        sites = num_sublayers + 1  # one per sublayer, plus the output routing
+        self.pseudo_queries = nn.Parameter(torch.zeros(sites, dim))
+        self.key_gains = nn.Parameter(torch.ones(sites, dim)) if self.key_norm else None
+        self.query_proj = nn.Parameter(torch.zeros(sites, dim, dim)) if query == "input" else None
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.pseudo_queries)
+        if self.key_gains is not None:
+            nn.init.ones_(self.key_gains)
+        if self.query_proj is not None:
+            nn.init.zeros_(self.query_proj)
+
+    def no_weight_decay(self) -> set[str]:
+        names = super().no_weight_decay() | {"pseudo_queries"}
+        if self.key_gains is not None:
+            names.add("key_gains")
+        return names
+
+    def route(self, site: int, sources: list[torch.Tensor]) -> torch.Tensor:
+        """``sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site``."""
+        query = self.pseudo_queries[site]
+        if self.query_proj is not None:
+            # input-dependent query from the latest source, per token: [..., D]
+            query = query + sources[-1].to(query.dtype) @ self.query_proj[site].T
+        gain = self.key_gains[site] if self.key_gains is not None else None
+        kwargs = dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
+        if self.trace is None:
+            return depth_attention(query, sources, gain, **kwargs)
+        mixed, weights = depth_attention(query, sources, gain, return_weights=True, **kwargs)
+        self.trace.depth_weights[site] = weights.detach()
+        return mixed
+
+    def _read_mixed(self, site: int, sources: list[torch.Tensor]) -> torch.Tensor:
+        h = self.route(site, sources)
+        self._record_rms(site, h)
+        norm = self.final_norm if site == self.num_sublayers else self.norms[site]
+        return norm(h)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, heads={self.heads}, query={self.query}, score={self.score}, "
+            f"key_norm={self.key_norm}"
+        )
+
+
+class FullAttnResStream(DepthRoutingStream):
+    """Full AttnRes: the state is the tuple of sources ``(e, v_0, ..., v_{i-1})``."""
+
+    kind = "full"
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
+        super().__init__(dim, num_sublayers, eps, **options)
+        self._make_norms()
+
+    def init(self, e: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (e,)
+
+    def read(self, sources: tuple[torch.Tensor, ...], i: int) -> torch.Tensor:
+        return self._read_mixed(i, list(sources))
+
+    def write(self, sources: tuple[torch.Tensor, ...], i: int, v: torch.Tensor):
+        return sources + (v,)
+
+    def output(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self._read_mixed(self.num_sublayers, list(sources))
+
+
+class BlockState(NamedTuple):
+    """``blocks``: ``(e, B_0, ..., B_{n-1})``, the completed block sums after the embedding;
+    ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty)."""
+
+    blocks: tuple[torch.Tensor, ...]
+    partial: torch.Tensor | None
+
+
+def advance_blocks(state: BlockState, i: int, v: torch.Tensor, block_size: int) -> BlockState:
+    """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
+    partial = v if state.partial is None else state.partial + v
+    if (i + 1) % block_size == 0:
+        return BlockState(state.blocks + (partial,), None)
+    return BlockState(state.blocks, partial)
+
+
+def block_sources(state: BlockState) -> list[torch.Tensor]:
+    """``[e, B_0, ..., B_{n-1}]`` plus ``P_i`` when the current block is not empty."""
+    sources = list(state.blocks)
+    if state.partial is not None:
+        sources.append(state.partial)
+    return sources
+
+
+class BlockAttnResStream(DepthRoutingStream):
+    """Block AttnRes with block size ``S`` sublayers (``block_size``) or ``num_blocks`` blocks
+    (default 8, ``S = ceil(M / 8)``). ``S = 1`` is Full AttnRes."""
+
+    kind = "block"
+    options = DepthRoutingStream.options + ("block_size", "num_blocks")
+
+    def __init__(
+        self,
+        dim: int,
+        num_sublayers: int,
+        eps: float = 1e-6,
+        *,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        **options,
+    ):
+        super().__init__(dim, num_sublayers, eps, **options)
+        self.block_size = resolve_block_size(num_sublayers, block_size, num_blocks)
+        self._make_norms()
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_sublayers // self.block_size)
+
+    def init(self, e: torch.Tensor) -> BlockState:
+        return BlockState((e,), None)
+
+    def read(self, state: BlockState, i: int) -> torch.Tensor:
+        return self._read_mixed(i, block_sources(state))
+
+    def write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
+        return advance_blocks(state, i, v, self.block_size)
+
+    def output(self, state: BlockState) -> torch.Tensor:
+        return self._read_mixed(self.num_sublayers, block_sources(state))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}, num_blocks={self.num_blocks}"

@@ -1,0 +1,123 @@
+"""The stream protocol every residual design follows (DESIGN.md).
+
+A stream answers three questions: what it stores (``init``/``write``), how the next sublayer
+reads (``read``, pre-norm included) and what reaches the LM head (``output``, final norm
+included)::
+
+    state = stream.init(e)
+    for i, sublayer in enumerate(sublayers):
+        state = stream.write(state, i, sublayer(stream.read(state, i)))
+    y = stream.output(state)
+
+The state is an explicit value (a tensor or a NamedTuple of tensors), never hidden module state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ops import RMSNorm, rms
+
+
+@dataclass
+class Trace:
+    """What a traced forward pass records, keyed by site (``i`` for sublayer ``i``, ``M`` for
+    the output routing; the same rows as ``pseudo_queries``).
+
+    - ``depth_weights[site]``: routing weights ``[N_sources, ..., heads]`` (AttnRes family).
+    - ``read_rms[site]``: RMS ``[...]`` of what the read normalizes (the hidden state before the
+      pre-norm; for multi-stream designs the mixed read).
+    """
+
+    depth_weights: dict[int, torch.Tensor] = field(default_factory=dict)
+    read_rms: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Stream(nn.Module):
+    """Base of every residual design. Subclasses implement the four operations.
+
+    Args:
+        dim: model width ``D``.
+        num_sublayers: ``M``, the number of sublayers the stream serves (2 per transformer layer).
+        eps: epsilon of every RMSNorm the stream owns.
+    """
+
+    kind: str = ""
+    #: options ``build_stream`` accepts for this kind, beyond dim, num_sublayers and eps
+    options: tuple[str, ...] = ()
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim={dim!r} must be a positive integer")
+        if not isinstance(num_sublayers, int) or num_sublayers < 1:
+            raise ValueError(f"num_sublayers={num_sublayers!r} must be a positive integer")
+        self.dim = dim
+        self.num_sublayers = num_sublayers
+        self.eps = eps
+        self.trace: Trace | None = None  # set by the model while tracing; None on the fast path
+
+    # -- the protocol -------------------------------------------------------------------------
+    def init(self, e: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def read(self, state: Any, i: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, state: Any, i: int, v: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def output(self, state: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- shared helpers -----------------------------------------------------------------------
+    def _make_norms(self) -> None:
+        """The per-sublayer pre-norms ``norms.{i}`` and ``final_norm``: the same parameter names
+        in every stream that has them, so a PreNorm state dict loads into any of them."""
+        self.norms = nn.ModuleList(RMSNorm(self.dim, self.eps) for _ in range(self.num_sublayers))
+        self.final_norm = RMSNorm(self.dim, self.eps)
+
+    def _record_rms(self, site: int, hidden: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.read_rms[site] = rms(hidden).detach()
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the stream's own parameters (the model's init calls this)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.reset_parameters()
+
+    def no_weight_decay(self) -> set[str]:
+        """Names (relative to the stream) of parameters kept out of weight decay."""
+        return {n for n, p in self.named_parameters() if p.ndim < 2}
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_sublayers={self.num_sublayers}"
+
+
+def resolve_block_size(num_sublayers: int, block_size: int | None, num_blocks: int | None) -> int:
+    """Block size in sublayers from either ``block_size`` or ``num_blocks`` (default 8 blocks,
+    capped at one block per sublayer). ``N = ceil(M / S)`` blocks result."""
+    m = num_sublayers
+    if block_size is not None and num_blocks is not None:
+        raise ValueError(
+            f"give block_size={block_size} or num_blocks={num_blocks}, not both"
+        )
+    if block_size is not None:
+        if not isinstance(block_size, int) or not 1 <= block_size <= m:
+            raise ValueError(
+                f"block_size={block_size!r} must be an integer in [1, {m}] (the number of sublayers)"
+            )
+        return block_size
+    if num_blocks is None:
+        num_blocks = min(8, m)
+    if not isinstance(num_blocks, int) or not 1 <= num_blocks <= m:
+        raise ValueError(
+            f"num_blocks={num_blocks!r} must be an integer in [1, {m}] (the number of sublayers)"
+        )
+    return math.ceil(m / num_blocks)

@@ -1,0 +1,96 @@
+"""Gated Residual, GR (SPEC section 8).
+
+stores: ``n_r`` branches ``R`` ``[..., n_r, D]``, each starting as a copy of ``e``.
+reads:  ``mean_k(G_k * Rhat_k)`` where ``Rhat`` is a per-branch RMSNorm with zero-centred gain
+        (``x * (1 + w)``) and ``G = sigmoid(W_up SiLU(W_down vec(Rhat) / n_r))`` are elementwise
+        gates. GR replaces the pre-norm: the read is not normalized again.
+writes: ``R_k += s_k v`` with ``s = 2 sigmoid(W_inject vec(Rhat) / n_r)``.
+Output: a final GR read (site ``M``) without the write; it replaces the final norm.
+
+Init: ``W_up = W_inject = 0`` (gates 1/2, write scalars 1), ``W_down ~ N(0, 0.02)``, gains 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops import rms_norm
+from .base import Stream
+
+
+def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """``mean_k(G_k * Rhat_k)``: ``[..., n_r, D] x [..., n_r, D] -> [..., D]``."""
+    return (gates * rhat).mean(-2)
+
+
+class GatedResidualStream(Stream):
+    kind = "gr"
+    options = ("streams", "rank")
+
+    def __init__(
+        self,
+        dim: int,
+        num_sublayers: int,
+        eps: float = 1e-6,
+        *,
+        streams: int = 4,
+        rank: int | None = None,
+    ):
+        super().__init__(dim, num_sublayers, eps)
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams={streams!r} must be a positive integer")
+        rank = max(1, dim // 8) if rank is None else rank
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank={rank!r} must be a positive integer (default dim // 8)")
+        n, sites = streams, num_sublayers + 1
+        self.streams = n
+        self.rank = rank
+        self.branch_gains = nn.Parameter(torch.empty(sites, dim))  # zero-centred: x * (1 + w)
+        self.gate_down = nn.Parameter(torch.empty(sites, rank, n * dim))
+        self.gate_up = nn.Parameter(torch.empty(sites, n * dim, rank))
+        self.inject = nn.Parameter(torch.empty(num_sublayers, n, n * dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.branch_gains)
+        nn.init.normal_(self.gate_down, std=0.02)
+        nn.init.zeros_(self.gate_up)
+        nn.init.zeros_(self.inject)
+
+    def no_weight_decay(self) -> set[str]:
+        return super().no_weight_decay() | {"branch_gains"}
+
+    def init(self, e: torch.Tensor) -> torch.Tensor:
+        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
+
+    def _normalized(self, R: torch.Tensor, site: int) -> torch.Tensor:
+        return rms_norm(R, eps=self.eps) * (1 + self.branch_gains[site]).to(R.dtype)
+
+    def gates(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
+        """Elementwise gates ``G`` ``[..., n_r, D]`` of ``site`` from ``Rhat`` ``[..., n_r, D]``."""
+        flat = rhat.flatten(-2) / self.streams  # vec(Rhat) / n_r
+        hidden = F.silu(flat @ self.gate_down[site].T)  # [..., r]
+        return torch.sigmoid(hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
+
+    def _read(self, R: torch.Tensor, site: int) -> torch.Tensor:
+        self._record_rms(site, R.mean(-2))
+        rhat = self._normalized(R, site)
+        return gated_branch_mix(rhat, self.gates(rhat, site))
+
+    def read(self, R: torch.Tensor, i: int) -> torch.Tensor:
+        return self._read(R, i)
+
+    def write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+        # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
+        flat = self._normalized(R, i).flatten(-2) / self.streams
+        s = 2 * torch.sigmoid(flat @ self.inject[i].T)  # [..., n_r]
+        return R + s.unsqueeze(-1) * v.unsqueeze(-2)
+
+    def output(self, R: torch.Tensor) -> torch.Tensor:
+        return self._read(R, self.num_sublayers)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, streams={self.streams}, rank={self.rank}"

@@ -1,0 +1,89 @@
+"""Hyper-Connections, dynamic (SPEC section 6).
+
+stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``.
+reads:  ``RMSNorm_{g_i}(sum_k A_m[k] H_k)`` with ``A_m = s_a tanh(Hbar W_m) + A_m0``.
+writes: ``H'_j = B[j] v + sum_k A_r[k, j] H_k`` with ``A_r = s_a tanh(Hbar W_r) + A_r0`` and
+        ``B = s_b tanh(Hbar W_b) + B0``; ``Hbar = RMSNorm(H)`` per stream (no gain).
+
+At init (``W = 0``, ``A_m0 = onehot(i mod n)``, ``A_r0 = I``, ``B0 = 1``) every stream holds the
+PreNorm sum, so the model equals PreNorm. Output: the sum of the streams, then the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import rms_norm
+from .base import Stream
+
+
+class HyperConnectionStream(Stream):
+    kind = "hc"
+    options = ("streams",)
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4):
+        super().__init__(dim, num_sublayers, eps)
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams={streams!r} must be a positive integer")
+        n, m = streams, num_sublayers
+        self.streams = n
+        self.read_proj = nn.Parameter(torch.empty(m, dim))  # W_m
+        self.mix_proj = nn.Parameter(torch.empty(m, dim, n))  # W_r
+        self.write_proj = nn.Parameter(torch.empty(m, dim))  # W_b
+        self.read_static = nn.Parameter(torch.empty(m, n))  # A_m0
+        self.mix_static = nn.Parameter(torch.empty(m, n, n))  # A_r0
+        self.write_static = nn.Parameter(torch.empty(m, n))  # B0
+        self.read_scale = nn.Parameter(torch.empty(m))  # s_a
+        self.write_scale = nn.Parameter(torch.empty(m))  # s_b
+        self._make_norms()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        n = self.streams
+        with torch.no_grad():
+            for p in (self.read_proj, self.mix_proj, self.write_proj):
+                p.zero_()
+            self.read_static.copy_(
+                torch.eye(n)[torch.arange(self.num_sublayers) % n]
+            )  # onehot(i mod n)
+            self.mix_static.copy_(torch.eye(n).expand_as(self.mix_static))
+            self.write_static.fill_(1.0)
+            self.read_scale.fill_(0.01)
+            self.write_scale.fill_(0.01)
+
+    def no_weight_decay(self) -> set[str]:
+        return super().no_weight_decay() | {"read_static", "mix_static", "write_static"}
+
+    def _hbar(self, H: torch.Tensor) -> torch.Tensor:
+        return rms_norm(H, eps=self.eps)
+
+    def init(self, e: torch.Tensor) -> torch.Tensor:
+        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
+
+    def _mix_read(self, H: torch.Tensor, i: int) -> torch.Tensor:
+        a_m = self.read_scale[i] * torch.tanh(self._hbar(H) @ self.read_proj[i]) + self.read_static[i]
+        return (a_m.unsqueeze(-1).to(H.dtype) * H).sum(-2)  # [..., D]
+
+    def read(self, H: torch.Tensor, i: int) -> torch.Tensor:
+        mixed = self._mix_read(H, i)
+        self._record_rms(i, mixed)
+        return self.norms[i](mixed)
+
+    def write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+        # Hbar is recomputed rather than carried from read: it costs O(n D) per token and keeps
+        # the state a plain tensor.
+        hbar = self._hbar(H)
+        a_r = self.read_scale[i] * torch.tanh(hbar @ self.mix_proj[i]) + self.mix_static[i]  # [..., n(k), n(j)]
+        b = self.write_scale[i] * torch.tanh(hbar @ self.write_proj[i]) + self.write_static[i]  # [..., n]
+        mixed = torch.einsum("...kj,...kd->...jd", a_r.to(H.dtype), H)
+        return mixed + b.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
+
+    def output(self, H: torch.Tensor) -> torch.Tensor:
+        h = H.sum(-2)
+        self._record_rms(self.num_sublayers, h)
+        return self.final_norm(h)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, streams={self.streams}"
