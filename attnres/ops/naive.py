@@ -35,17 +35,18 @@ def depth_attention_naive(
         alpha[j, ..., h] = softmax_j(s)             (or sigmoid(s) without normalization)
         out[..., h]      = sum_j alpha[j, ..., h] * V[j, ..., h]
 
-    Math in fp32; the output ``[..., D]`` is in the sources' dtype. With ``return_weights`` also
+    Math in fp32 (fp64 for fp64 inputs); the output ``[..., D]`` is in the sources' dtype. With ``return_weights`` also
     returns ``alpha`` ``[N, ..., heads]`` (fp32).
     """
-    values = torch.stack(list(sources)).float()  # [N, ..., D]
+    math_dtype = torch.promote_types(sources[0].dtype, torch.float32)  # fp32, or fp64 for fp64
+    values = torch.stack(list(sources)).to(math_dtype)  # [N, ..., D]
     n_src, dim = values.shape[0], values.shape[-1]
     keys = rms_norm(values, eps=eps) if key_norm else values
     if gain is not None:
-        keys = keys * gain.float()
+        keys = keys * gain.to(math_dtype)
     head_dim = dim // heads
     keys = keys.unflatten(-1, (heads, head_dim))  # [N, ..., H, Dh]
-    q = query.float().unflatten(-1, (heads, head_dim))  # [H, Dh] or [..., H, Dh]
+    q = query.to(math_dtype).unflatten(-1, (heads, head_dim))  # [H, Dh] or [..., H, Dh]
     logits = (keys * q).sum(-1)  # [N, ..., H]
     if score == "softmax":
         weights = torch.softmax(logits, dim=0)

@@ -15,14 +15,14 @@ from torch import nn
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Normalize ``x`` ``[..., D]`` over its last dim; ``weight`` ``[D]`` is the gain (or None)."""
     dtype = x.dtype
-    xf = x.float()
+    xf = x.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 stays fp64)
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return y if weight is None else weight * y
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square over the last dim, in fp32: ``[..., D] -> [...]``."""
-    return x.float().pow(2).mean(-1).sqrt()
+    return x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1).sqrt()
 
 
 class RMSNorm(nn.Module):

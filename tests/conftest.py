@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from attnres import ModelConfig, Transformer
+
+# Every design, with the options that make it non-trivial at tiny size.
+DESIGNS = {
+    "prenorm": dict(residual="prenorm"),
+    "full": dict(residual="full"),
+    "block": dict(residual="block", block_size=3),
+    "mhar": dict(residual="block", block_size=3, heads=4),
+    "delta": dict(residual="delta", block_size=2, heads=2),
+    "hc": dict(residual="hc", streams=3),
+    "mhc": dict(residual="mhc", streams=3),
+    "gr": dict(residual="gr", streams=3),
+    "full-input-query": dict(residual="full", query="input"),
+    "block-sigmoid-nokeynorm": dict(residual="block", num_blocks=2, score="sigmoid", key_norm=False),
+}
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(design: str, seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(tiny_config(**DESIGNS[design], **overrides))
+
+
+def randomize_stream(model: Transformer, seed: int = 1, scale: float = 0.3) -> None:
+    """Move every stream parameter away from its init so that invariants are tested off the
+    trivial point (zero queries, unit gains, zero projections)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.stream.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
+
+
+@pytest.fixture(params=list(DESIGNS))
+def design(request):
+    return request.param

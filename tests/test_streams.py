@@ -1,0 +1,291 @@
+"""Stream invariants: the protocol used directly, with random sublayer outputs."""
+
+import math
+
+import pytest
+import torch
+
+from attnres import build_stream
+from attnres.ops import rms_norm
+from attnres.streams import BlockState, gated_branch_mix
+from attnres.streams.attnres import block_sources
+
+D, M = 12, 7
+
+
+class RandomSublayers:
+    """Deterministic nonlinear sublayers v_i = tanh(x_i @ W_i) so that outputs depend on reads."""
+
+    def __init__(self, dim=D, m=M, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.weights = [torch.randn(dim, dim, generator=g, dtype=torch.float64) for _ in range(m)]
+
+    def __call__(self, i, x):
+        return torch.tanh(x @ self.weights[i]) * 2
+
+
+def run(stream, e, sublayers, m=M):
+    """Drive a stream through the protocol; returns every read, the output, and the states."""
+    reads, states = [], []
+    state = stream.init(e)
+    for i in range(m):
+        states.append(state)
+        x = stream.read(state, i)
+        reads.append(x)
+        state = stream.write(state, i, sublayers(i, x))
+    states.append(state)
+    return reads, stream.output(state), states
+
+
+def randomized(stream, seed=3):
+    stream = stream.double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in stream.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return stream
+
+
+def test_block_with_block_size_one_equals_full():
+    full = randomized(build_stream("full", dim=D, num_sublayers=M, heads=2))
+    block = build_stream("block", dim=D, num_sublayers=M, heads=2, block_size=1).double()
+    block.load_state_dict(full.state_dict())
+    e = torch.randn(4, D, dtype=torch.float64)
+    f_reads, f_out, _ = run(full, e, RandomSublayers())
+    b_reads, b_out, _ = run(block, e, RandomSublayers())
+    for i, (a, b) in enumerate(zip(f_reads, b_reads)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=f"read {i}")
+    torch.testing.assert_close(f_out, b_out, atol=1e-12, rtol=0)
+
+
+def full_attnres_reference(e, sublayers, w, k, g, g_out, eps=1e-6, heads=1):
+    """SPEC section 2/4 written out with plain loops: sources are the raw new outputs."""
+    vs = [e]
+    reads = []
+    hd = D // heads
+
+    def route(site):
+        h = torch.zeros_like(e)
+        for hh in range(heads):
+            sl = slice(hh * hd, (hh + 1) * hd)
+            keys = [k[site] * (v / torch.sqrt((v**2).mean(-1, keepdim=True) + eps)) for v in vs]
+            scores = torch.stack([(key[..., sl] * w[site][sl]).sum(-1) for key in keys])
+            alpha = torch.softmax(scores, 0)
+            h[..., sl] = sum(a[..., None] * v[..., sl] for a, v in zip(alpha, vs))
+        return h
+
+    for i in range(M):
+        h = route(i)
+        x = g[i] * (h / torch.sqrt((h**2).mean(-1, keepdim=True) + eps))
+        reads.append(x)
+        vs.append(sublayers(i, x))
+    h = route(M)
+    return reads, g_out * (h / torch.sqrt((h**2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_full_matches_written_out_spec(heads):
+    stream = randomized(build_stream("full", dim=D, num_sublayers=M, heads=heads))
+    e = torch.randn(5, D, dtype=torch.float64)
+    reads, out, _ = run(stream, e, RandomSublayers())
+    g = [n.weight for n in stream.norms]
+    ref_reads, ref_out = full_attnres_reference(
+        e, RandomSublayers(), stream.pseudo_queries, stream.key_gains, g, stream.final_norm.weight, heads=heads
+    )
+    for a, b in zip(reads, ref_reads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+
+
+def test_mhar_with_one_head_equals_single_head_and_heads_differ():
+    single = randomized(build_stream("block", dim=D, num_sublayers=M, block_size=2))
+    one_head = build_stream("block", dim=D, num_sublayers=M, block_size=2, heads=1).double()
+    one_head.load_state_dict(single.state_dict())
+    four = build_stream("block", dim=D, num_sublayers=M, block_size=2, heads=4).double()
+    four.load_state_dict(single.state_dict())
+    e = torch.randn(3, D, dtype=torch.float64)
+    a, b, c = (run(s, e, RandomSublayers())[1] for s in (single, one_head, four))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert (a - c).abs().max() > 1e-3  # heads > 1 is a different routing on the same params
+
+
+def test_full_stores_new_outputs_not_cumulative_sums():
+    stream = build_stream("full", dim=D, num_sublayers=M)
+    e = torch.randn(2, D)
+    vs = [torch.randn(2, D) for _ in range(M)]
+    state = stream.init(e)
+    for i, v in enumerate(vs):
+        stream.read(state, i)
+        state = stream.write(state, i, v)
+    assert len(state) == M + 1
+    assert all(a is b for a, b in zip(state, [e] + vs))
+
+
+@pytest.mark.parametrize("m,s", [(7, 3), (8, 4), (6, 1), (5, 5)])
+def test_block_sources_follow_spec(m, s):
+    stream = build_stream("block", dim=D, num_sublayers=m, block_size=s)
+    e = torch.randn(D)
+    # v_i = 10^i along one axis makes every partial and block sum identifiable
+    vs = [torch.full((D,), 10.0**i) for i in range(m)]
+    state = stream.init(e)
+    for i in range(m):
+        n, p = divmod(i, s)
+        expected = [e] + [sum(vs[k * s : (k + 1) * s]) for k in range(n)]
+        if p > 0:
+            expected.append(sum(vs[n * s : i]))  # P_i; empty (absent) at a block start
+        got = block_sources(state)
+        assert len(got) == len(expected), f"sublayer {i}"
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        state = stream.write(state, i, vs[i])
+    n_blocks = math.ceil(m / s)
+    expected = [e] + [sum(vs[k * s : min((k + 1) * s, m)]) for k in range(n_blocks)]
+    got = block_sources(state)  # the output's sources include a partial final block
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+
+
+def test_zero_init_queries_give_uniform_weights():
+    from attnres.streams import Trace
+
+    stream = build_stream("block", dim=D, num_sublayers=M, block_size=2, heads=3)
+    stream.trace = Trace()
+    e = torch.randn(2, 5, D)
+    run(stream, e, lambda i, x: torch.randn(2, 5, D))
+    assert sorted(stream.trace.depth_weights) == list(range(M + 1))
+    for site, w in stream.trace.depth_weights.items():
+        n = w.shape[0]
+        assert w.shape == (n, 2, 5, 3)
+        torch.testing.assert_close(w, torch.full_like(w, 1 / n))
+
+
+def test_hc_at_init_equals_prenorm_reads():
+    hc = build_stream("hc", dim=D, num_sublayers=M, streams=3).double()
+    pre = build_stream("prenorm", dim=D, num_sublayers=M).double()
+    e = torch.randn(4, D, dtype=torch.float64)
+    hc_reads, hc_out, _ = run(hc, e, RandomSublayers())
+    pre_reads, pre_out, _ = run(pre, e, RandomSublayers())
+    for a, b in zip(hc_reads, pre_reads):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(hc_out, pre_out, atol=1e-6, rtol=0)  # sum of streams: eps only
+
+
+def test_hc_static_weights_pick_stream_and_mix():
+    hc = build_stream("hc", dim=D, num_sublayers=M, streams=3).double()
+    with torch.no_grad():
+        hc.read_static[0] = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
+        hc.mix_static[0] = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64)
+        hc.write_static[0] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    H = torch.randn(2, 3, D, dtype=torch.float64)
+    v = torch.randn(2, D, dtype=torch.float64)
+    x = hc.read(H, 0)
+    torch.testing.assert_close(x, rms_norm(0.5 * H[:, 1] + 0.5 * H[:, 2], hc.norms[0].weight))
+    H2 = hc.write(H, 0, v)
+    torch.testing.assert_close(H2[:, 0], H[:, 1] + v)
+    torch.testing.assert_close(H2[:, 1], H[:, 0] + 2 * v)
+    torch.testing.assert_close(H2[:, 2], H[:, 2] + 3 * v)
+
+
+def test_mhc_mixing_matrix_is_doubly_stochastic_for_random_inputs():
+    mhc = build_stream("mhc", dim=D, num_sublayers=M, streams=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # live projections: logits = b_res + noise of std ~0.2
+        mhc.scales.fill_(1.0)
+        mhc.proj.copy_(0.2 / (4 * D) ** 0.5 * torch.randn(mhc.proj.shape, generator=g))
+    H = torch.randn(64, 4, D, generator=g) * 3
+    for i in range(M):
+        P = mhc.mixing_matrix(H, i)
+        assert P.shape == (64, 4, 4)
+        torch.testing.assert_close(P.sum(-1), torch.ones(64, 4), atol=1e-5, rtol=0)
+        torch.testing.assert_close(P.sum(-2), torch.ones(64, 4), atol=1e-5, rtol=0)
+        assert P.std() > 0.01  # not a constant: the inputs matter
+
+
+def test_mhc_at_init_reads_the_stream_average():
+    mhc = build_stream("mhc", dim=D, num_sublayers=M, streams=4)
+    H = torch.randn(5, 4, D)
+    torch.testing.assert_close(mhc.read(H, 2), rms_norm(H.mean(-2), mhc.norms[2].weight), atol=1e-5, rtol=1e-5)
+    v = torch.randn(5, D)
+    e = torch.randn(5, D)
+    Hs = mhc.init(e)
+    torch.testing.assert_close(mhc.write(Hs, 0, v), (e + v).unsqueeze(-2).expand(5, 4, D), atol=1e-5, rtol=1e-5)
+
+
+def test_gr_is_the_branch_average_when_gates_are_one():
+    rhat = torch.randn(3, 4, D)
+    torch.testing.assert_close(gated_branch_mix(rhat, torch.ones_like(rhat)), rhat.mean(-2))
+
+
+def test_gr_read_and_write_follow_spec():
+    gr = randomized(build_stream("gr", dim=D, num_sublayers=M, streams=3, rank=4))
+    R = torch.randn(2, 3, D, dtype=torch.float64)
+    v = torch.randn(2, D, dtype=torch.float64)
+    i = 2
+    rhat = R / torch.sqrt((R**2).mean(-1, keepdim=True) + 1e-6) * (1 + gr.branch_gains[i])
+    flat = rhat.reshape(2, 3 * D) / 3
+    G = torch.sigmoid(torch.nn.functional.silu(flat @ gr.gate_down[i].T) @ gr.gate_up[i].T).reshape(2, 3, D)
+    torch.testing.assert_close(gr.read(R, i), (G * rhat).mean(1))
+    s = 2 * torch.sigmoid(flat @ gr.inject[i].T)
+    torch.testing.assert_close(gr.write(R, i, v), R + s[..., None] * v[:, None, :])
+
+
+def test_gr_init_gates_are_half_and_writes_are_one():
+    gr = build_stream("gr", dim=D, num_sublayers=M, streams=2)
+    e = torch.randn(3, D)
+    R = gr.init(e)
+    torch.testing.assert_close(gr.read(R, 0), 0.5 * rms_norm(e))
+    v = torch.randn(3, D)
+    torch.testing.assert_close(gr.write(R, 0, v), (e + v).unsqueeze(1).expand(3, 2, D))
+
+
+def test_delta_at_init_reads_exactly_like_prenorm():
+    delta = build_stream("delta", dim=D, num_sublayers=M, heads=3, block_size=2)
+    pre = build_stream("prenorm", dim=D, num_sublayers=M)
+    e = torch.randn(4, D)
+    subl = RandomSublayers()
+    f = lambda i, x: subl(i, x.double()).float()  # noqa: E731
+    d_reads, d_out, _ = run(delta, e, f)
+    p_reads, p_out, _ = run(pre, e, f)
+    for a, b in zip(d_reads, p_reads):
+        assert torch.equal(a, b)
+    assert torch.equal(d_out, p_out)
+
+
+def test_delta_routes_null_e_and_blocks():
+    from attnres.streams import Trace
+
+    delta = build_stream("delta", dim=D, num_sublayers=M, block_size=3)
+    delta.trace = Trace()
+    run(delta, torch.randn(2, D), lambda i, x: torch.randn(2, D))
+    # sublayer i routes over null, e, completed blocks, and the partial when p > 0
+    for i in range(M):
+        n, p = divmod(i, 3)
+        assert delta.trace.depth_weights[i].shape[0] == 2 + n + (p > 0)
+    assert delta.trace.depth_weights[M].shape[0] == 2 + 3  # null, e, B0, B1, partial B2
+
+
+@pytest.mark.parametrize(
+    "kind,options,match",
+    [
+        ("nope", {}, "unknown residual kind 'nope'"),
+        ("full", dict(heads=5), "heads=5 must be a positive integer dividing dim=12"),
+        ("block", dict(block_size=0), r"block_size=0 must be an integer in \[1, 7\]"),
+        ("block", dict(block_size=8), r"block_size=8 must be an integer in \[1, 7\]"),
+        ("block", dict(num_blocks=9), r"num_blocks=9 must be an integer in \[1, 7\]"),
+        ("block", dict(num_blocks=2, block_size=2), "not both"),
+        ("prenorm", dict(heads=2), r"option\(s\) \['heads'\] do not apply to kind 'prenorm'"),
+        ("mhc", dict(streams=1), "streams=1 must be an integer >= 2"),
+        ("full", dict(query="dynamic"), "query='dynamic'"),
+    ],
+)
+def test_build_stream_rejects_bad_options(kind, options, match):
+    with pytest.raises(ValueError, match=match):
+        build_stream(kind, dim=D, num_sublayers=M, **options)
+
+
+def test_default_block_count_is_eight():
+    s = build_stream("block", dim=D, num_sublayers=16)
+    assert (s.block_size, s.num_blocks) == (2, 8)
+    s = build_stream("block", dim=D, num_sublayers=4)
+    assert (s.block_size, s.num_blocks) == (1, 4)
