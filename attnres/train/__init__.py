@@ -1,0 +1,1 @@
+"""Training: data, trainer, checkpoints and the command line."""
