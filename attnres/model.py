@@ -39,6 +39,8 @@ class ModelConfig:
       the AttnRes ablations (SPEC section 9) for full/block/delta.
     - ``streams``: number of streams/branches for hc/mhc/gr; ``gr_rank``: GR's gate rank;
       ``sinkhorn_iterations``: mHC.
+    - ``backend`` (``"auto"``/``"torch"``/``"naive"``) for full/block/delta; ``two_phase`` (the
+      two-phase Block computation, default on) for block/delta.
     """
 
     vocab_size: int
@@ -62,6 +64,8 @@ class ModelConfig:
     streams: int = 4
     gr_rank: int | None = None
     sinkhorn_iterations: int = 20
+    backend: str = "auto"
+    two_phase: bool = True
 
     # config field -> stream option name
     _STREAM_FIELDS = {
@@ -74,6 +78,8 @@ class ModelConfig:
         "streams": "streams",
         "gr_rank": "rank",
         "sinkhorn_iterations": "sinkhorn_iterations",
+        "backend": "backend",
+        "two_phase": "two_phase",
     }
 
     def __post_init__(self):

@@ -167,7 +167,7 @@ def test_depth_weights_capture():
     x = tokens(b=2, t=7)
     plain = model(x)
     logits, weights = model(x, return_depth_weights=True)
-    assert torch.equal(plain, logits)
+    torch.testing.assert_close(plain, logits, atol=1e-5, rtol=1e-5)  # traced reads route one by one
     assert sorted(weights) == list(range(7))
     expected_sources = [1, 2, 2, 2, 3, 3, 3]  # [e] [e,P] [e,P] [e,B0] [e,B0,P] [e,B0,P] out [e,B0,B1]
     for site, w in weights.items():

@@ -8,7 +8,6 @@ import torch
 from attnres import build_stream
 from attnres.ops import rms_norm
 from attnres.streams import BlockState, gated_branch_mix
-from attnres.streams.attnres import block_sources
 
 D, M = 12, 7
 
@@ -133,14 +132,14 @@ def test_block_sources_follow_spec(m, s):
         expected = [e] + [sum(vs[k * s : (k + 1) * s]) for k in range(n)]
         if p > 0:
             expected.append(sum(vs[n * s : i]))  # P_i; empty (absent) at a block start
-        got = block_sources(state)
+        got = stream.sources(state)
         assert len(got) == len(expected), f"sublayer {i}"
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b)
         state = stream.write(state, i, vs[i])
     n_blocks = math.ceil(m / s)
     expected = [e] + [sum(vs[k * s : min((k + 1) * s, m)]) for k in range(n_blocks)]
-    got = block_sources(state)  # the output's sources include a partial final block
+    got = stream.sources(state)  # the output's sources include a partial final block
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)

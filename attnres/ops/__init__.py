@@ -1,12 +1,18 @@
 """Math only: tensors in, tensors out."""
 
-from .depth_attention import check_depth_inputs, depth_attention
+from .depth_attention import BACKENDS, check_depth_inputs, depth_attention, resolve_backend
+from .fused import depth_attention_multi
 from .naive import depth_attention_naive
+from .two_phase import merge_partial
 from .rmsnorm import RMSNorm, rms, rms_norm
 from .sinkhorn import sinkhorn
 
 __all__ = [
+    "BACKENDS",
     "RMSNorm",
+    "depth_attention_multi",
+    "merge_partial",
+    "resolve_backend",
     "check_depth_inputs",
     "depth_attention",
     "depth_attention_naive",

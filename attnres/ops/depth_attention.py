@@ -6,13 +6,44 @@ inputs once (shapes only, nothing that costs a device sync) and dispatches to a 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
+from .fused import depth_attention_multi
 from .naive import depth_attention_naive
 
 SCORES = ("softmax", "sigmoid")
+BACKENDS = ("auto", "torch", "naive")
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve_backend(backend: str, per_token_query: bool = False) -> str:
+    """The backend that will run: ``naive`` or ``torch``.
+
+    ``auto`` picks the memory-efficient ``torch`` path; it alone may fall back (to ``naive``
+    for per-token queries, warning once). An explicit backend that cannot run raises.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "naive":
+        return "naive"
+    if per_token_query:
+        if backend == "torch":
+            raise RuntimeError(
+                "backend='torch' takes one query [D] shared by all tokens; per-token queries "
+                "[..., D] (the input-dependent ablation) run on backend='naive'"
+            )
+        warn_once("depth_attention: per-token queries use the reference (naive) path")
+        return "naive"
+    return "torch"
 
 
 def check_depth_inputs(
@@ -59,6 +90,7 @@ def depth_attention(
     return_weights: bool = False,
     score: str = "softmax",
     key_norm: bool = True,
+    backend: str = "auto",
 ):
     """Route over depth (SPEC sections 2 and 4).
 
@@ -72,11 +104,21 @@ def depth_attention(
         return_weights: also return the weights ``[N, ..., heads]``.
         score: ``"softmax"`` (the method) or ``"sigmoid"`` (SPEC section 9 ablation).
         key_norm: normalize keys with RMSNorm (``False`` is the SPEC section 9 ablation).
+        backend: ``"naive"`` (the reference: stacks and normalizes every source), ``"torch"``
+            (memory-efficient autograd, ``ops.fused``) or ``"auto"`` (``torch``, falling back to
+            ``naive`` with a warning where ``torch`` cannot run). Returning the weights
+            materializes them, so ``return_weights=True`` computes them on the reference path.
 
     Returns:
         ``[..., D]`` in the sources' dtype (math in fp32), and the weights if requested.
     """
     check_depth_inputs(query, sources, gain, heads, score)
+    if resolve_backend(backend, query.ndim > 1) == "torch" and not return_weights:
+        out, _ = depth_attention_multi(
+            query.unsqueeze(0), sources, None if gain is None else gain.unsqueeze(0),
+            heads=heads, eps=eps, score=score, key_norm=key_norm,
+        )
+        return out[0]
     return depth_attention_naive(
         query, sources, gain, heads=heads, eps=eps, score=score, key_norm=key_norm,
         return_weights=return_weights,

@@ -7,8 +7,8 @@ which options each kind accepts (all have defaults).
 kind       design                           options
 =========  ===============================  ==========================================
 prenorm    PreNorm residual (baseline)      eps
-full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm
-block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8 blocks)
+full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm, backend
+block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8), two_phase
 delta      Delta AttnRes (conversion)       same as block
 hc         Hyper-Connections (dynamic)      streams (default 4)
 mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations

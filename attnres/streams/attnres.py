@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import depth_attention
-from ..ops.depth_attention import SCORES
+from ..ops import depth_attention, depth_attention_multi, merge_partial
+from ..ops.depth_attention import BACKENDS, SCORES
 from .base import Stream, resolve_block_size
 
 QUERIES = ("static", "input")
@@ -36,9 +36,11 @@ class DepthRoutingStream(Stream):
             ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized).
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
         key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
+        backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"torch"`` or
+            ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
     """
 
-    options = ("heads", "query", "score", "key_norm")
+    options = ("heads", "query", "score", "key_norm", "backend")
 
     def __init__(
         self,
@@ -50,8 +52,11 @@ class DepthRoutingStream(Stream):
         query: str = "static",
         score: str = "softmax",
         key_norm: bool = True,
+        backend: str = "auto",
     ):
         super().__init__(dim, num_sublayers, eps)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         if not isinstance(heads, int) or heads < 1 or dim % heads:
             raise ValueError(f"heads={heads!r} must be a positive integer dividing dim={dim}")
         if query not in QUERIES:
@@ -62,6 +67,7 @@ class DepthRoutingStream(Stream):
         self.query = query
         self.score = score
         self.key_norm = bool(key_norm)
+        self.backend = "naive" if query == "input" else backend
         sites = num_sublayers + 1  # one per sublayer, plus the output routing
         self.pseudo_queries = nn.Parameter(torch.zeros(sites, dim))
         self.key_gains = nn.Parameter(torch.ones(sites, dim)) if self.key_norm else None
@@ -88,15 +94,18 @@ class DepthRoutingStream(Stream):
             # input-dependent query from the latest source, per token: [..., D]
             query = query + sources[-1].to(query.dtype) @ self.query_proj[site].T
         gain = self.key_gains[site] if self.key_gains is not None else None
-        kwargs = dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
+        kwargs = dict(self._routing_kwargs(), backend=self.backend)
         if self.trace is None:
             return depth_attention(query, sources, gain, **kwargs)
         mixed, weights = depth_attention(query, sources, gain, return_weights=True, **kwargs)
         self.trace.depth_weights[site] = weights.detach()
         return mixed
 
-    def _read_mixed(self, site: int, sources: list[torch.Tensor]) -> torch.Tensor:
-        h = self.route(site, sources)
+    def _routing_kwargs(self) -> dict:
+        return dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
+
+    def _finish_read(self, site: int, h: torch.Tensor) -> torch.Tensor:
+        """Record and apply the pre-norm of ``site`` (the final norm for the output)."""
         self._record_rms(site, h)
         norm = self.final_norm if site == self.num_sublayers else self.norms[site]
         return norm(h)
@@ -104,7 +113,7 @@ class DepthRoutingStream(Stream):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, heads={self.heads}, query={self.query}, score={self.score}, "
-            f"key_norm={self.key_norm}"
+            f"key_norm={self.key_norm}, backend={self.backend}"
         )
 
 
@@ -121,45 +130,49 @@ class FullAttnResStream(DepthRoutingStream):
         return (e,)
 
     def read(self, sources: tuple[torch.Tensor, ...], i: int) -> torch.Tensor:
-        return self._read_mixed(i, list(sources))
+        return self._finish_read(i, self.route(i, list(sources)))
 
     def write(self, sources: tuple[torch.Tensor, ...], i: int, v: torch.Tensor):
         return sources + (v,)
 
     def output(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self._read_mixed(self.num_sublayers, list(sources))
+        return self._finish_read(self.num_sublayers, self.route(self.num_sublayers, list(sources)))
+
+
+class PhaseOne(NamedTuple):
+    """Phase 1 of the current block: every query of the block (sites ``first_site ..``) scored
+    against the completed sources once. ``out`` ``[S', ..., D]``, ``lse`` ``[S', ..., H]``."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    first_site: int
 
 
 class BlockState(NamedTuple):
     """``blocks``: ``(e, B_0, ..., B_{n-1})``, the completed block sums after the embedding;
-    ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty)."""
+    ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty);
+    ``phase_one``: the current block's phase-1 result on the two-phase path (else None)."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
+    phase_one: PhaseOne | None = None
 
 
-def advance_blocks(state: BlockState, i: int, v: torch.Tensor, block_size: int) -> BlockState:
-    """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
-    partial = v if state.partial is None else state.partial + v
-    if (i + 1) % block_size == 0:
-        return BlockState(state.blocks + (partial,), None)
-    return BlockState(state.blocks, partial)
+class BlockRoutingStream(DepthRoutingStream):
+    """Block bookkeeping and the two-phase computation, shared by Block and Delta AttnRes.
 
+    The output routing is treated as a virtual sublayer ``M``: it sits at position
+    ``M mod S`` of block ``M div S``, which gives exactly the output's sources of SPEC section 3
+    (the partial final block included when non-empty).
 
-def block_sources(state: BlockState) -> list[torch.Tensor]:
-    """``[e, B_0, ..., B_{n-1}]`` plus ``P_i`` when the current block is not empty."""
-    sources = list(state.blocks)
-    if state.partial is not None:
-        sources.append(state.partial)
-    return sources
+    With ``two_phase=True`` (default) and a fast backend, each block's queries are scored
+    against its completed sources once when the block opens (``init`` and the ``write`` that
+    closes the previous block); a read then only merges its partial sum (``ops.merge_partial``).
+    While tracing, with ``backend="naive"`` or with per-token queries, every read routes on its
+    own (the reference path the two-phase path is tested against).
+    """
 
-
-class BlockAttnResStream(DepthRoutingStream):
-    """Block AttnRes with block size ``S`` sublayers (``block_size``) or ``num_blocks`` blocks
-    (default 8, ``S = ceil(M / 8)``). ``S = 1`` is Full AttnRes."""
-
-    kind = "block"
-    options = DepthRoutingStream.options + ("block_size", "num_blocks")
+    options = DepthRoutingStream.options + ("block_size", "num_blocks", "two_phase")
 
     def __init__(
         self,
@@ -169,27 +182,88 @@ class BlockAttnResStream(DepthRoutingStream):
         *,
         block_size: int | None = None,
         num_blocks: int | None = None,
+        two_phase: bool = True,
         **options,
     ):
         super().__init__(dim, num_sublayers, eps, **options)
         self.block_size = resolve_block_size(num_sublayers, block_size, num_blocks)
-        self._make_norms()
+        self.two_phase = bool(two_phase)
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_sublayers // self.block_size)
 
-    def init(self, e: torch.Tensor) -> BlockState:
-        return BlockState((e,), None)
+    def completed_sources(self, state: BlockState) -> list[torch.Tensor]:
+        """The sources fixed for the whole current block (``[e, B_0, ..., B_{n-1}]``)."""
+        return list(state.blocks)
 
-    def read(self, state: BlockState, i: int) -> torch.Tensor:
-        return self._read_mixed(i, block_sources(state))
+    def sources(self, state: BlockState) -> list[torch.Tensor]:
+        """Every source of the current read: the completed ones plus ``P_i`` when not empty."""
+        sources = self.completed_sources(state)
+        if state.partial is not None:
+            sources.append(state.partial)
+        return sources
 
-    def write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
-        return advance_blocks(state, i, v, self.block_size)
+    def _uses_two_phase(self) -> bool:
+        return self.two_phase and self.backend != "naive" and self.trace is None
 
-    def output(self, state: BlockState) -> torch.Tensor:
-        return self._read_mixed(self.num_sublayers, block_sources(state))
+    def _open_block(self, state: BlockState, first_site: int) -> BlockState:
+        if not self._uses_two_phase():
+            return state
+        last = min(first_site + self.block_size, self.num_sublayers + 1)
+        gains = None if self.key_gains is None else self.key_gains[first_site:last]
+        out, lse = depth_attention_multi(
+            self.pseudo_queries[first_site:last], self.completed_sources(state), gains,
+            **self._routing_kwargs(),
+        )
+        return state._replace(phase_one=PhaseOne(out, lse, first_site))
+
+    def _route_block(self, site: int, state: BlockState) -> torch.Tensor:
+        """``h`` for ``site`` (a sublayer, or ``M`` for the output) before its norm."""
+        ph = state.phase_one
+        if ph is None or self.trace is not None:
+            return self.route(site, self.sources(state))
+        o1 = ph.out[site - ph.first_site]
+        if state.partial is None:  # first sublayer of a block: nothing to merge
+            return o1
+        gain = None if self.key_gains is None else self.key_gains[site]
+        return merge_partial(
+            o1, ph.lse[site - ph.first_site], state.partial, self.pseudo_queries[site], gain,
+            **self._routing_kwargs(),
+        )
+
+    def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
+        """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
+        partial = v if state.partial is None else state.partial + v
+        if (i + 1) % self.block_size == 0:
+            return self._open_block(BlockState(state.blocks + (partial,), None), i + 1)
+        return BlockState(state.blocks, partial, state.phase_one)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, block_size={self.block_size}, num_blocks={self.num_blocks}"
+        return (
+            f"{super().extra_repr()}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"two_phase={self.two_phase}"
+        )
+
+
+class BlockAttnResStream(BlockRoutingStream):
+    """Block AttnRes with block size ``S`` sublayers (``block_size``) or ``num_blocks`` blocks
+    (default 8, ``S = ceil(M / 8)``). ``S = 1`` is Full AttnRes."""
+
+    kind = "block"
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
+        super().__init__(dim, num_sublayers, eps, **options)
+        self._make_norms()
+
+    def init(self, e: torch.Tensor) -> BlockState:
+        return self._open_block(BlockState((e,), None), 0)
+
+    def read(self, state: BlockState, i: int) -> torch.Tensor:
+        return self._finish_read(i, self._route_block(i, state))
+
+    def write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
+        return self._advance(state, i, v)
+
+    def output(self, state: BlockState) -> torch.Tensor:
+        return self._finish_read(self.num_sublayers, self._route_block(self.num_sublayers, state))
