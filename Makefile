@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[test,triton]"
+	$(PY) -m pip install --quiet -e ".[test,report,train,triton,hf]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/train_tiny.py
+	$(VENV)/bin/attnres compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

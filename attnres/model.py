@@ -297,18 +297,17 @@ class Transformer(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of ``targets`` ``[B, T]`` given ``tokens``."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return lm_loss(self(tokens), targets)
 
     @contextmanager
-    def trace(self):
+    def trace(self, keep_sources: bool = False):
         """Record depth weights and read RMS of every site during the forward passes inside::
 
             with model.trace() as trace:
                 model(tokens)
             trace.depth_weights[3]  # [N_sources, B, T, heads]
         """
-        trace = Trace()
+        trace = Trace(keep_sources=keep_sources)
         self.stream.trace = trace
         try:
             yield trace
@@ -349,6 +348,11 @@ class Transformer(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(next_token, cache=cache, start_pos=T + step)[:, -1]
         return torch.cat(out, dim=1)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits ``[B, T, V]`` against targets ``[B, T]``, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

@@ -99,6 +99,8 @@ class DepthRoutingStream(Stream):
             return depth_attention(query, sources, gain, **kwargs)
         mixed, weights = depth_attention(query, sources, gain, return_weights=True, **kwargs)
         self.trace.depth_weights[site] = weights.detach()
+        if self.trace.keep_sources:
+            self.trace.sources[site] = [s.detach() for s in sources]
         return mixed
 
     def _routing_kwargs(self) -> dict:

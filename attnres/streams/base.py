@@ -32,10 +32,14 @@ class Trace:
     - ``depth_weights[site]``: routing weights ``[N_sources, ..., heads]`` (AttnRes family).
     - ``read_rms[site]``: RMS ``[...]`` of what the read normalizes (the hidden state before the
       pre-norm; for multi-stream designs the mixed read).
+    - ``sources[site]``: the routed sources ``N x [..., D]`` (AttnRes family), only when
+      ``keep_sources`` is set (for probes that re-route the same sources).
     """
 
     depth_weights: dict[int, torch.Tensor] = field(default_factory=dict)
     read_rms: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    keep_sources: bool = False
 
 
 class Stream(nn.Module):

@@ -1,21 +1,45 @@
-"""Text corpora as byte tokens.
+"""Corpora as token arrays, and deterministic batches.
 
 The embedded default is the Python standard library's own source files: real text that every
 Python install carries, so nothing is downloaded. The split into train and validation is by
 file (a stable hash of the relative path), so no file contributes to both.
+
+Other sources: any text file or folder, nanoGPT-style ``train.bin``/``val.bin`` token files
+(uint16), and ``hf:NAME[:CONFIG]`` through the ``datasets`` package. Tokens are bytes by
+default; ``tokenizer="bpe"`` trains a byte-level BPE on the training split with the
+``tokenizers`` library and caches it.
+
+Batches are a pure function of ``(seed, step)``: every design of a comparison sees the same
+batches in the same order, and a resumed run continues with exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".html", ".json", ".csv", ".tex"}
 
+
+@dataclass
+class Corpus:
+    """Train and validation tokens (1-D integer arrays) and the tokenizer's vocabulary size."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    description: str
+    tokenizer_path: str | None = None
+
+
+# -- the standard library ------------------------------------------------------------------
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -66,13 +90,155 @@ def stdlib_corpus(val_fraction: float = 0.05, max_train_bytes: int | None = None
     return read_bytes(train_files, max_train_bytes), read_bytes(val_files, max_val_bytes)
 
 
-def random_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator):
-    """``(inputs, targets)`` ``[B, T]`` int64 at random offsets drawn from ``generator``."""
+# -- other sources ---------------------------------------------------------------------------
+
+def text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"data folder {path} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
+    return files
+
+
+def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val: int | None):
+    """Bytes of a text file or folder: split by file when there are several, else the last
+    ``val_fraction`` of the one file is validation."""
+    files = text_files(path)
+    if len(files) == 1:
+        data = read_bytes(files)
+        cut = int(len(data) * (1 - val_fraction))
+        train, val = data[:cut], data[cut:]
+    else:
+        train_files, val_files = split_files(files, path, val_fraction)
+        if not val_files:  # tiny folders: hold out the last file
+            train_files, val_files = files[:-1], files[-1:]
+        train, val = read_bytes(train_files), read_bytes(val_files)
+    return train[:max_train], val[:max_val]
+
+
+def token_file_corpus(folder: Path, vocab_size: int):
+    """nanoGPT-style ``train.bin`` and ``val.bin``: uint16 token ids, memory-mapped."""
+    out = []
+    for name in ("train.bin", "val.bin"):
+        path = folder / name
+        if not path.exists():
+            raise ValueError(f"token folder {folder} lacks {name}")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(tokens) and int(tokens.max()) >= vocab_size:
+            raise ValueError(
+                f"{path} holds token id {int(tokens.max())}, outside the model's vocabulary [0, {vocab_size})"
+            )
+        out.append(tokens)
+    return out[0], out[1]
+
+
+def hf_text(spec: str, val_fraction: float) -> tuple[bytes, bytes]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"data.source={spec!r} needs the 'datasets' package: pip install datasets") from None
+    name, _, config = spec[len("hf:"):].partition(":")
+    ds = datasets.load_dataset(name, config or None, split="train")
+    column = "text" if "text" in ds.column_names else ds.column_names[0]
+    texts = ds[column]
+    cut = max(1, int(len(texts) * (1 - val_fraction)))
+    join = lambda rows: "\n".join(rows).encode()  # noqa: E731
+    return join(texts[:cut]), join(texts[cut:])
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnres"
+
+
+def train_bpe(train: np.ndarray, vocab_size: int, key: str, directory: Path | None = None):
+    """A byte-level BPE trained on (up to 20 MB of) the training bytes, cached by content key."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ValueError("data.tokenizer='bpe' needs the 'tokenizers' package: pip install tokenizers") from None
+    directory = Path(directory) if directory else cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bpe-{vocab_size}-{key}.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path)), path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = bytes(train[:20_000_000]).decode("utf-8", errors="replace")
+    tok.train_from_iterator([text[i : i + 100_000] for i in range(0, len(text), 100_000)], trainer)
+    tmp = path.with_suffix(".tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return tok, path
+
+
+def encode(tok, data: np.ndarray) -> np.ndarray:
+    text = bytes(data).decode("utf-8", errors="replace")
+    ids = []
+    for i in range(0, len(text), 1_000_000):
+        ids.extend(tok.encode(text[i : i + 1_000_000]).ids)
+    return np.asarray(ids, dtype=np.int32)
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None) -> Corpus:
+    """The corpus ``cfg`` (a ``DataConfig``) describes, tokenized."""
+    src = cfg.source
+    if src == "stdlib":
+        train, val = stdlib_corpus(cfg.val_fraction)
+        desc = f"Python {sysconfig.get_python_version()} standard library sources, split by file"
+    elif src.startswith("hf:"):
+        train_text, val_text = hf_text(src, cfg.val_fraction)
+        train, val = np.frombuffer(train_text, np.uint8), np.frombuffer(val_text, np.uint8)
+        desc = f"Hugging Face dataset {src[3:]}"
+    else:
+        path = Path(src).expanduser()
+        if not path.exists():
+            raise ValueError(f"data path {path} does not exist")
+        if path.is_dir() and (path / "train.bin").exists():
+            if cfg.tokenizer != "byte":
+                raise ValueError(f"{path} holds pre-tokenized files; data.tokenizer must stay 'byte'")
+            train, val = token_file_corpus(path, model_vocab_size)
+            return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], model_vocab_size,
+                          f"token files in {path}")
+        train, val = text_corpus(path, cfg.val_fraction, None, None)
+        desc = f"text from {path}"
+    vocab, tok_path = 256, None
+    if cfg.tokenizer == "bpe":
+        key = hashlib.sha256(desc.encode() + str(len(train)).encode()).hexdigest()[:12]
+        tok, tok_path = train_bpe(train, cfg.bpe_vocab_size, key, bpe_dir)
+        train, val, vocab = encode(tok, train), encode(tok, val), tok.get_vocab_size()
+        desc += f", byte-level BPE ({vocab} tokens)"
+    else:
+        desc += ", byte tokens"
+    return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], vocab, desc,
+                  str(tok_path) if tok_path else None)
+
+
+def check_length(tokens: np.ndarray, seq_len: int, split: str) -> None:
     if len(tokens) < seq_len + 1:
         raise ValueError(
-            f"corpus of {len(tokens)} tokens is shorter than one sequence of {seq_len} + 1 tokens"
+            f"the {split} split has {len(tokens)} tokens, shorter than one sequence of "
+            f"run.seq_len={seq_len} + 1 tokens"
         )
-    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=generator)
-    window = np.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).astype(np.int64)
-    window = torch.from_numpy(window)
+
+
+def batch_at(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int):
+    """Batch number ``index`` of a run seeded ``seed``: ``(inputs, targets)`` ``[B, T]`` int64
+    at offsets drawn from a generator seeded by ``(seed, index)`` alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return random_batch(tokens, batch_size, seq_len, g)
+
+
+def random_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator):
+    """``(inputs, targets)`` ``[B, T]`` int64 at random offsets drawn from ``generator``."""
+    check_length(tokens, seq_len, "data")
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=generator).tolist()
+    window = torch.from_numpy(np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts]))
     return window[:, :-1], window[:, 1:]

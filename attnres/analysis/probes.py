@@ -1,0 +1,52 @@
+"""The MHAR "width disagreement" probe (SPEC section 10).
+
+Split a trained single-head pseudo-query into ``slices`` slices of the width; give each slice
+its own depth softmax over the same (normalized) sources; measure the mean
+``KL(slice || shared)``. Do the same for a random query of equal norm; the probe is the
+difference. A large value says the width would rather route differently in different slices,
+which is what multi-head routing allows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import Transformer
+from ..ops import depth_attention_naive
+from ..streams import DepthRoutingStream
+
+
+def _mean_kl(query, gain, sources, slices, eps) -> float:
+    shared = depth_attention_naive(query, sources, gain, heads=1, eps=eps, return_weights=True)[1]  # [N, ..., 1]
+    sliced = depth_attention_naive(query, sources, gain, heads=slices, eps=eps, return_weights=True)[1]  # [N, ..., S]
+    tiny = torch.finfo(sliced.dtype).tiny
+    kl = (sliced * (sliced.clamp_min(tiny).log() - shared.clamp_min(tiny).log())).sum(0)  # [..., S]
+    return float(kl.mean())
+
+
+@torch.no_grad()
+def width_disagreement(model: Transformer, tokens: torch.Tensor, slices: int = 4, seed: int = 0) -> dict | None:
+    """``{"trained": KL, "random": KL, "probe": trained - random}`` averaged over routing sites,
+    or None when the model is not single-head AttnRes (or ``slices`` does not divide the width)."""
+    stream = model.stream
+    if not isinstance(stream, DepthRoutingStream) or stream.heads != 1 or stream.query != "static":
+        return None
+    if model.config.dim % slices:
+        return None
+    with model.trace(keep_sources=True) as trace:
+        model(tokens)
+    g = torch.Generator().manual_seed(seed)
+    trained, random = [], []
+    for site, sources in sorted(trace.sources.items()):
+        if len(sources) < 2:  # a single source has nothing to disagree about
+            continue
+        query = stream.pseudo_queries[site].float()
+        gain = stream.key_gains[site].float() if stream.key_gains is not None else None
+        noise = torch.randn(query.shape, generator=g)
+        noise = noise * query.norm() / noise.norm().clamp_min(1e-12)
+        trained.append(_mean_kl(query, gain, sources, slices, stream.eps))
+        random.append(_mean_kl(noise, gain, sources, slices, stream.eps))
+    if not trained:
+        return None
+    t, r = sum(trained) / len(trained), sum(random) / len(random)
+    return {"trained": t, "random": r, "probe": t - r, "slices": slices}

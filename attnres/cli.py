@@ -1,0 +1,165 @@
+"""The ``attnres`` command line: compare, train, generate, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _config_from_args(args):
+    from .train.config import apply_override, preset
+
+    cfg = preset(args.preset)
+    if args.data:
+        cfg = apply_override(cfg, f"data.source={args.data}")
+    for assignment in args.set or []:
+        cfg = apply_override(cfg, assignment)
+    cfg.validate()
+    return cfg
+
+
+def _add_config_args(p, default_preset):
+    p.add_argument("--preset", default=default_preset, help="tiny, demo or small (default: %(default)s)")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                   help="override one config field, e.g. --set model.residual=block --set optim.lr=3e-4")
+    p.add_argument("--data", help="text file or folder, folder with train.bin/val.bin, or hf:NAME[:CONFIG] "
+                                  "(default: the Python standard library's sources)")
+
+
+def cmd_compare(args) -> int:
+    from .compare import compare
+
+    cfg = _config_from_args(args)
+    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out)
+    print(path)
+    return 0
+
+
+def cmd_train(args) -> int:
+    import time
+
+    from .train.trainer import train
+
+    cfg = _config_from_args(args)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / time.strftime(
+        f"{cfg.run.name or cfg.model.residual}-%Y%m%d-%H%M%S")
+    if args.resume:
+        saved = run_dir / "config.json"
+        if not saved.exists():
+            raise ValueError(f"--resume: {saved} does not exist")
+        from .train.config import from_dict
+
+        cfg = from_dict(json.loads(saved.read_text()))
+    result = train(cfg, run_dir, resume=args.resume)
+    from .train import distributed
+
+    distributed.teardown()
+    s = result.summary
+    status = "interrupted, checkpoint saved" if result.interrupted else "done"
+    print(f"{status}: step {s['steps']}, validation loss {s['final_val_loss']}, {s['tokens_per_s']:.0f} tokens/s")
+    print(run_dir)
+    return 0
+
+
+def load_run(run_dir: Path):
+    """The model of a training run folder, with its latest checkpoint's weights."""
+    import dataclasses
+
+    from .model import Transformer
+    from .train.checkpoint import latest_checkpoint, load_checkpoint
+    from .train.config import from_dict
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"{run_dir} is not a training run: config.json is missing")
+    cfg = from_dict(json.loads(cfg_path.read_text()))
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise ValueError(f"{run_dir} has no checkpoint")
+    weights, _ = load_checkpoint(ckpt, cfg.model)
+    model = Transformer(dataclasses.replace(cfg.model, backend="auto") if cfg.model.residual in ("full", "block", "delta") else cfg.model)
+    model.load_state_dict(weights)
+    return model.eval(), cfg
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    model, cfg = load_run(Path(args.run_dir))
+    if cfg.data.tokenizer != "byte":
+        raise ValueError("generate reads byte-level runs; this run used a BPE tokenizer")
+    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
+    g = torch.Generator().manual_seed(args.seed)
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=g)
+    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .analysis.report import write_report
+
+    print(write_report(Path(args.run_dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .compare import DEFAULT_DESIGNS, DESIGNS
+
+    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
+    _add_config_args(p, "demo")
+    p.add_argument("--designs", nargs="+", default=list(DEFAULT_DESIGNS), choices=sorted(DESIGNS),
+                   metavar="DESIGN", help=f"from {sorted(DESIGNS)} (default: {' '.join(DEFAULT_DESIGNS)})")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("train", help="train one model")
+    _add_config_args(p, "small")
+    p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("generate", help="sample from a trained run with the KV cache")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("report", help="rebuild a comparison report from its saved artifacts")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.fn(args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from .train.checkpoint import CheckpointError
+        from .train.trainer import TrainingDiverged
+
+        if isinstance(exc, (CheckpointError, TrainingDiverged)):
+            print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Typed training configuration, presets, and dotted overrides.
+
+A preset is a Python function returning a ``TrainConfig``; ``--set section.field=value``
+overrides one field, parsed by the field's type. Unknown keys are an error that lists the
+accepted ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+from ..model import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes tokens.
+
+    ``source``: ``"stdlib"`` (the Python standard library's sources, split by file), a text file
+    or folder of text files, a folder with nanoGPT-style ``train.bin``/``val.bin`` (uint16), or
+    ``"hf:NAME[:CONFIG]"`` for a Hugging Face ``datasets`` source (needs that package).
+    ``tokenizer``: ``"byte"`` (token b is byte b) or ``"bpe"`` (trained on the training split
+    with the ``tokenizers`` library, ``bpe_vocab_size`` tokens, cached).
+    """
+
+    source: str = "stdlib"
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.05
+    max_train_tokens: int | None = None
+    max_val_tokens: int | None = None
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup then ``cosine`` (to ``min_lr_ratio * lr``), ``wsd`` (warmup, stable,
+    then linear decay over the last ``decay_fraction`` of steps) or ``constant``."""
+
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+    grad_clip: float = 1.0
+
+
+@dataclass
+class RunConfig:
+    """Budget, batching, evaluation, checkpoints and placement of one run.
+
+    ``batch_size`` is the global batch per optimizer step (split across ranks and
+    ``grad_accum`` micro-steps). ``parallel`` (``ddp``/``fsdp``) applies under torchrun.
+    """
+
+    steps: int = 400
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 20
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: only at the end (and on SIGINT/SIGTERM)
+    compile: bool = False
+    device: str = "auto"
+    autocast: str = "auto"  # bf16 autocast on CUDA; "none" to disable
+    parallel: str = "ddp"
+    out_dir: str = "runs"
+    name: str = ""
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        r, o, d = self.run, self.optim, self.data
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
+            if getattr(r, name) < 1:
+                raise ValueError(f"run.{name}={getattr(r, name)} must be >= 1")
+        if r.batch_size % r.grad_accum:
+            raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
+        if r.seq_len > self.model.max_seq_len:
+            raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if o.schedule not in ("cosine", "wsd", "constant"):
+            raise ValueError(f"optim.schedule={o.schedule!r} is not one of ('cosine', 'wsd', 'constant')")
+        if d.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"data.tokenizer={d.tokenizer!r} is not one of ('byte', 'bpe')")
+        if r.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"run.parallel={r.parallel!r} is not one of ('ddp', 'fsdp')")
+        if not 0 < d.val_fraction < 1:
+            raise ValueError(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+def _model(**kw) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 256, **kw})
+
+
+def tiny() -> TrainConfig:
+    """Seconds on a laptop: for tests and smoke runs."""
+    return TrainConfig(
+        model=_model(dim=32, n_layers=2, n_heads=2, max_seq_len=64),
+        data=DataConfig(max_train_tokens=200_000, max_val_tokens=20_000),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        run=RunConfig(steps=8, batch_size=4, seq_len=32, eval_every=4, eval_batches=2, log_every=2),
+    )
+
+
+def demo() -> TrainConfig:
+    """The default of ``attnres compare``: six designs in under 15 minutes on two CPU cores."""
+    return TrainConfig(
+        model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
+        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20),
+        run=RunConfig(steps=200, batch_size=16, seq_len=128, eval_every=50, eval_batches=16, log_every=10),
+    )
+
+
+def small() -> TrainConfig:
+    """The setting measured in the project's spec (section 11): ~4-6 minutes per design."""
+    return TrainConfig(
+        model=_model(dim=128, n_layers=8, n_heads=4, max_seq_len=256),
+        optim=OptimConfig(lr=2e-3, warmup_steps=30),
+        run=RunConfig(steps=400, batch_size=16, seq_len=256, eval_every=100, eval_batches=20),
+    )
+
+
+PRESETS = {"tiny": tiny, "demo": demo, "small": small}
+
+
+def preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# -- overrides -------------------------------------------------------------------------------
+
+def _parse(value: str, annotation, key: str):
+    """Parse ``value`` for a field annotated ``annotation`` (str, int, float, bool, X | None)."""
+    args = typing.get_args(annotation)
+    if type(annotation) in (types.UnionType, typing.Union) or typing.get_origin(annotation) is typing.Union:
+        if value.lower() in ("none", "null"):
+            return None
+        annotation = next(a for a in args if a is not type(None))
+    try:
+        if annotation is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return annotation(value)
+    except ValueError:
+        raise ValueError(f"--set {key}={value!r}: expected a value of type {annotation.__name__}") from None
+
+
+def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
+    """Apply one ``section.field=value`` override; returns a new config."""
+    if "=" not in assignment:
+        raise ValueError(f"--set {assignment!r}: expected section.field=value")
+    key, value = assignment.split("=", 1)
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if key.count(".") != 1 or key.split(".")[0] not in sections:
+        raise ValueError(f"--set {key!r}: expected one of the sections {sorted(sections)} as section.field")
+    section_name, field_name = key.split(".")
+    section = sections[section_name]
+    fields = {f.name: f for f in dataclasses.fields(section) if not f.name.startswith("_")}
+    if field_name not in fields:
+        raise ValueError(f"--set {key!r}: unknown field; {section_name} has {sorted(fields)}")
+    parsed = _parse(value, typing.get_type_hints(type(section))[field_name], key)
+    if section_name == "model":  # re-run the model's validation on the new value
+        new_section = ModelConfig(**{**dataclasses.asdict(section), field_name: parsed})
+    else:
+        new_section = dataclasses.replace(section, **{field_name: parsed})
+    return dataclasses.replace(config, **{section_name: new_section})
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def from_dict(d: dict) -> TrainConfig:
+    """Rebuild a config saved with ``to_dict``; unknown keys are an error."""
+    try:
+        return TrainConfig(
+            model=ModelConfig(**d["model"]),
+            data=DataConfig(**d["data"]),
+            optim=OptimConfig(**d["optim"]),
+            run=RunConfig(**d["run"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a valid attnres training config: {exc}") from None

@@ -1,0 +1,138 @@
+"""Everything that touches ``torch.distributed``: process group, DDP/FSDP2 wrapping, reductions,
+and full state dicts. Model code stays single-device; parallelism is applied from outside.
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) the process group starts with NCCL on CUDA and gloo on the
+CPU. Wrapping order: FSDP2 ``fully_shard`` on each sublayer (attention, MLP), then on the root (which
+holds embeddings, the stream and the head); or DDP around the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(preference)
+    except RuntimeError:
+        raise ValueError(f"run.device={preference!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:1', ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"run.device={preference!r} but CUDA is not available")
+    return device
+
+
+def setup(device_preference: str = "auto") -> DistInfo:
+    """Start the process group when launched by torchrun; otherwise a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(device_preference)
+    if world <= 1:
+        return DistInfo(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local_rank, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
+    """DDP or FSDP2 around ``model`` when distributed; the model itself otherwise."""
+    if not info.distributed:
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # the sublayers are the modules whose forward runs (a Layer only groups them), so they
+        # are the units whose parameters are gathered just in time
+        for layer in model.layers:
+            fully_shard(layer.attn)
+            fully_shard(layer.mlp)
+        fully_shard(model)
+        return model
+    raise ValueError(f"run.parallel={mode!r} is not one of ('ddp', 'fsdp')")
+
+
+def no_sync(wrapped: nn.Module, enabled: bool):
+    """Skip DDP's gradient all-reduce on the micro-steps before the last one."""
+    import contextlib
+
+    if enabled and hasattr(wrapped, "no_sync"):
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
+
+
+def broadcast_flag(flag: bool, info: DistInfo) -> bool:
+    """Rank 0's decision for everyone (e.g. a signal received by one process)."""
+    if not info.distributed:
+        return flag
+    t = torch.tensor([int(flag)], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state dicts on the CPU (collective when distributed)."""
+    if not info.distributed:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optim_state: dict, info: DistInfo) -> None:
+    if not info.distributed:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

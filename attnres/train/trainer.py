@@ -1,0 +1,295 @@
+"""The training loop: AdamW with parameter groups, warmup then cosine/WSD, clipping, gradient
+accumulation, bf16 autocast on GPU, optional torch.compile, periodic evaluation, checkpoints that
+survive crashes and signals, and metrics as JSONL (plus TensorBoard when installed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..model import Transformer, lm_loss, param_groups
+from . import distributed as dist
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import OptimConfig, TrainConfig, to_dict
+from .data import Corpus, batch_at, check_length, load_corpus
+
+EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    model: Transformer
+    summary: dict
+    corpus: Corpus
+    interrupted: bool = False
+
+
+def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) out of ``total``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    decay_start = int(total * (1 - cfg.decay_fraction))  # wsd: warmup, stable, linear decay
+    if step < decay_start:
+        return cfg.lr
+    return cfg.lr + (floor - cfg.lr) * (step - decay_start + 1) / max(1, total - decay_start)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def layer_grad_norms(model: Transformer) -> list[float]:
+    """L2 norm of each transformer layer's parameter gradients."""
+    norms = []
+    for layer in model.layers:
+        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in layer.parameters() if p.grad is not None)
+        norms.append(math.sqrt(sq))
+    return norms
+
+
+@torch.no_grad()
+def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast) -> float:
+    """Mean validation loss over ``run.eval_batches`` fixed batches (the same for every run)."""
+    r = cfg.run
+    was_training = model.training
+    model.eval()
+    per_rank = r.batch_size // info.world_size
+    losses = []
+    for i in range(r.eval_batches):
+        x, y = batch_at(tokens, r.batch_size, r.seq_len, EVAL_SEED, i)
+        x, y = x[info.rank * per_rank : (info.rank + 1) * per_rank], y[info.rank * per_rank : (info.rank + 1) * per_rank]
+        with autocast():
+            losses.append(lm_loss(model(x.to(info.device)), y.to(info.device)))
+    model.train(was_training)
+    return float(dist.mean_across_ranks(torch.stack(losses).mean()))
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops at the next step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _Metrics:
+    """JSONL metrics on the main rank, mirrored to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only", stacklevel=2)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k not in ("step", "tokens", "split") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{record['split']}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+
+
+def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False) -> TrainResult:
+    """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
+
+    ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped.
+    """
+    cfg.validate()
+    info = dist.setup(cfg.run.device)
+    r, o = cfg.run, cfg.optim
+    if r.batch_size % (info.world_size * r.grad_accum):
+        raise ValueError(
+            f"run.batch_size={r.batch_size} must be divisible by world size {info.world_size} x "
+            f"run.grad_accum={r.grad_accum}"
+        )
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
+    if corpus.vocab_size != cfg.model.vocab_size:
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
+    check_length(corpus.train, r.seq_len, "training")
+    check_length(corpus.val, r.seq_len, "validation")
+
+    torch.manual_seed(r.seed)
+    model = Transformer(cfg.model).to(info.device)
+    wrapped = dist.wrap(model, r.parallel, info)
+    forward = torch.compile(wrapped) if r.compile else wrapped
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if info.device.type == "cuda" and r.autocast == "auto" else nullcontext
+    )
+
+    ckpt_root = run_dir / "checkpoints"
+    start_step, grad_norm_sums, grad_norm_count = 0, None, 0
+    if resume:
+        path = latest_checkpoint(ckpt_root)
+        if path is None:
+            raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
+        weights, state = load_checkpoint(path, cfg.model)
+        dist.load_full_state(model, optimizer, weights, state["optimizer"], info)
+        torch.set_rng_state(state["rng"])
+        start_step = int(state["step"])
+        grad_norm_sums, grad_norm_count = state.get("grad_norm_sums"), int(state.get("grad_norm_count", 0))
+        if grad_norm_sums is not None:
+            grad_norm_sums = grad_norm_sums.tolist()
+
+    if info.is_main:
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    metrics = _Metrics(run_dir, info.is_main, r.tensorboard)
+    tokens_per_step = r.batch_size * r.seq_len
+    per_rank = r.batch_size // info.world_size
+    micro = per_rank // r.grad_accum
+    record_from = int(r.steps * 0.9)  # gradient norms are averaged over the last 10% of steps
+
+    def save(step: int) -> None:
+        model_state, optim_state = dist.full_state(model, optimizer, info)
+        if info.is_main:
+            train_state = dict(
+                optimizer=optim_state, rng=torch.get_rng_state(), step=step, config=to_dict(cfg),
+                grad_norm_sums=torch.tensor(grad_norm_sums) if grad_norm_sums is not None else None,
+                grad_norm_count=grad_norm_count,
+            )
+            save_checkpoint(ckpt_root, step, model_state, train_state)
+        dist.barrier()
+
+    step_time, val_loss, interrupted, last_loss = 0.0, None, False, float("nan")
+    bar = _progress(r.steps, start_step, r.progress and info.is_main)
+    model.train()
+    try:
+        with _Signals() as signals:
+            for step in range(start_step, r.steps):
+                lr = lr_at(step, r.steps, o)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                start = time.perf_counter()
+                x, y = batch_at(corpus.train, r.batch_size, r.seq_len, r.seed, step)
+                x = x[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
+                y = y[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = torch.zeros((), device=info.device)
+                for k in range(r.grad_accum):
+                    xs, ys = x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]
+                    with dist.no_sync(wrapped, k < r.grad_accum - 1), autocast():
+                        loss = lm_loss(forward(xs), ys) / r.grad_accum
+                    loss.backward()
+                    loss_sum += loss.detach()
+                last_loss = float(dist.mean_across_ranks(loss_sum))
+                if not math.isfinite(last_loss):
+                    raise TrainingDiverged(
+                        f"loss is {last_loss} at step {step + 1}; stopping. The last good checkpoint "
+                        f"({latest_checkpoint(ckpt_root) or 'none yet'}) is kept; lower optim.lr or raise optim.warmup_steps"
+                    )
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip))
+                if step >= record_from and not info.distributed:
+                    norms = layer_grad_norms(model)
+                    grad_norm_sums = norms if grad_norm_sums is None else [a + b for a, b in zip(grad_norm_sums, norms)]
+                    grad_norm_count += 1
+                optimizer.step()
+                step_time += time.perf_counter() - start
+                done = step + 1
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step * (done - start_step) / step_time:.0f}")
+                if done % r.log_every == 0 or done == r.steps:
+                    metrics.log(dict(split="train", step=done, tokens=done * tokens_per_step, loss=last_loss,
+                                     lr=lr, grad_norm=grad_norm,
+                                     tokens_per_s=tokens_per_step * (done - start_step) / step_time))
+                if done % r.eval_every == 0 or done == r.steps:
+                    val_loss = evaluate(forward, corpus.val, cfg, info, autocast)
+                    metrics.log(dict(split="val", step=done, tokens=done * tokens_per_step, val_loss=val_loss))
+                    if bar is not None:
+                        bar.write(f"step {done}: val loss {val_loss:.4f}")
+                if dist.broadcast_flag(signals.received is not None, info):
+                    save(done)
+                    interrupted = True
+                    break
+                if r.ckpt_every and done % r.ckpt_every == 0 and done < r.steps:
+                    save(done)
+            else:
+                save(r.steps)
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+
+    steps_run = max(1, (r.steps if not interrupted else done) - start_step)
+    summary = dict(
+        residual=cfg.model.residual,
+        steps=r.steps if not interrupted else done,
+        tokens=(r.steps if not interrupted else done) * tokens_per_step,
+        final_train_loss=last_loss,
+        final_val_loss=val_loss,
+        parameters=sum(p.numel() for p in model.parameters()),
+        step_time_s=step_time / steps_run,
+        tokens_per_s=tokens_per_step * steps_run / step_time if step_time else float("nan"),
+        peak_memory_mib=peak_memory_mib(info.device),
+        layer_grad_norms=[s / grad_norm_count for s in grad_norm_sums] if grad_norm_count else None,
+        interrupted=interrupted,
+        data=corpus.description,
+        world_size=info.world_size,
+    )
+    if info.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return TrainResult(model, summary, corpus, interrupted)

@@ -1,0 +1,116 @@
+"""Shared benchmark machinery: interleaved timing, per-round ratios, memory in a fresh process.
+
+Every timing is a ratio against a baseline measured in the same run: the variants run one after
+another inside each round, so that noise from a shared machine hits them alike; the ratio is taken
+per round, and the median and the spread (min..max over rounds) are reported.
+
+Memory is the growth of peak RSS above the RSS after model and optimizer construction, measured
+in a fresh process per variant (``--child VARIANT``), so that one variant's allocator state
+cannot hide another's peak.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rss_mib() -> float:
+    """Current resident set size of this process in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process image in MiB. VmHWM, not getrusage's ru_maxrss: a child started
+    from a large parent inherits the parent's ru_maxrss across fork and exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def interleaved(fns: dict[str, Callable[[], None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of every function, one call of each per round, in turn."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_summary(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
+    """Median seconds, and the median and min..max of per-round ratios to ``baseline``."""
+    base = times[baseline]
+    out = {}
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        out[name] = dict(
+            median_s=statistics.median(ts),
+            ratio=statistics.median(ratios),
+            ratio_min=min(ratios),
+            ratio_max=max(ratios),
+        )
+    return out
+
+
+def child_memory(script: str, variant: str, extra: list[str] | None = None) -> dict:
+    """Run ``script --child variant`` in a fresh interpreter; it prints one JSON line."""
+    cmd = [sys.executable, script, "--child", variant, *(extra or [])]
+    env = dict(os.environ)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report_child(baseline_rss: float, **fields) -> None:
+    """Print the child's JSON line: peak growth above ``baseline_rss``."""
+    print(json.dumps(dict(growth_mib=peak_rss_mib() - baseline_rss, baseline_mib=baseline_rss, **fields)))
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    print("  ".join("-" * widths[c] for c in columns))
+    for r in rows:
+        print("  ".join(fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+def write_csv(name: str, rows: list[dict]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.csv"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads"

@@ -1,0 +1,98 @@
+"""Training step of the reference LM for every residual design, against PreNorm.
+
+dim 512, 8 layers, n_heads = n_kv_heads = 8, ffn_dim 1536, vocab 256, batch 8 x seq 256, fp32,
+one step = forward, backward and AdamW. Ratios are per round against ``prenorm`` in the same
+run; ``plain`` is a nanoGPT-style loop of the same shapes (benchmarks/plain_lm.py).
+
+    python benchmarks/train_step.py
+    python benchmarks/train_step.py --variants prenorm block mhar --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import child_memory, interleaved, machine, print_table, ratio_summary, report_child, rss_mib, write_csv  # noqa: E402
+from plain_lm import PlainLM  # noqa: E402
+
+from attnres import ModelConfig, Transformer, param_groups  # noqa: E402
+
+SIZES = dict(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=256)
+VARIANTS = {
+    "plain": None,
+    "prenorm": dict(residual="prenorm"),
+    "block": dict(residual="block", num_blocks=8),
+    "mhar": dict(residual="block", num_blocks=8, heads=8),
+    "full": dict(residual="full"),
+    "delta": dict(residual="delta", num_blocks=8, heads=8),
+    "hc": dict(residual="hc", streams=4),
+    "mhc": dict(residual="mhc", streams=4),
+    "gr": dict(residual="gr", streams=4),
+    "block-naive": dict(residual="block", num_blocks=8, backend="naive", two_phase=False),
+}
+
+
+def build(variant, batch, seq):
+    torch.manual_seed(0)
+    if variant == "plain":
+        model = PlainLM(SIZES["vocab_size"], SIZES["dim"], SIZES["n_layers"], SIZES["n_heads"],
+                        SIZES["ffn_dim"], SIZES["max_seq_len"])
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+    else:
+        model = Transformer(ModelConfig(**SIZES, **VARIANTS[variant]))
+        with torch.no_grad():  # live routing, as after some training
+            for name, p in model.stream.named_parameters():
+                if name == "pseudo_queries":
+                    p.normal_(0, 0.02)
+        groups = param_groups(model, 0.1)
+    opt = torch.optim.AdamW(groups, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+
+    return step
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--child")
+    args = p.parse_args()
+    if args.child:
+        step = build(args.child, args.batch, args.seq)
+        step()  # optimizer state exists after the first step: count it as construction
+        base = rss_mib()
+        for _ in range(2):
+            step()
+        return report_child(base)
+    variants = list(dict.fromkeys(["prenorm", *args.variants]))
+    print(f"# train step: {SIZES}, batch {args.batch} x {args.seq}; {machine()}")
+    steps = {v: build(v, args.batch, args.seq) for v in variants}
+    summary = ratio_summary(interleaved(steps, args.rounds, warmup=1), "prenorm")
+    del steps
+    extra = ["--batch", str(args.batch), "--seq", str(args.seq)]
+    mem = {v: child_memory(__file__, v, extra)["growth_mib"] for v in variants}
+    rows = [
+        dict(variant=v, median_s=summary[v]["median_s"], time_vs_prenorm=summary[v]["ratio"],
+             spread=f"{summary[v]['ratio_min']:.3f}..{summary[v]['ratio_max']:.3f}",
+             mem_growth_mib=mem[v], mem_vs_prenorm=mem[v] / mem["prenorm"])
+        for v in variants
+    ]
+    print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
+    write_csv("train_step", rows)
+
+
+if __name__ == "__main__":
+    main()

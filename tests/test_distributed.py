@@ -1,0 +1,49 @@
+"""Real torchrun with two gloo ranks: DDP and FSDP2 match one process on the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMON = ["--preset", "tiny", "--set", "model.residual=block", "--set", "run.steps=5",
+          "--set", "run.log_every=1", "--set", "run.progress=false", "--set", "run.tensorboard=false",
+          "--set", "run.eval_every=5"]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["split"] == "train"]
+
+
+def run(cmd, tmp):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run([sys.executable, "-m", "attnres", "train", *COMMON, "--run-dir", str(tmp / "run")], tmp)
+    return train_losses(tmp / "run")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(single, tmp_path, parallel):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         "-m", "attnres", "train", *COMMON, "--set", f"run.parallel={parallel}", "--run-dir", str(tmp_path / "run")],
+        tmp_path)
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == len(single) == 5
+    for a, b in zip(losses, single):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, single)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # the checkpoint is the full, unsharded model
+    from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    weights, _ = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert weights["tok_embeddings.weight"].shape == (256, 32)

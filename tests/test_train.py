@@ -1,0 +1,201 @@
+"""The trainer: learning, exact resume, crash-safe checkpoints, clear failures."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnres.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from attnres.train.config import apply_override, tiny
+from attnres.train.data import load_corpus
+from attnres.train.trainer import TrainingDiverged, lr_at, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    cfg = tiny()
+    return load_corpus(cfg.data, 256)
+
+
+def quiet(cfg, **run):
+    return replace(cfg, run=replace(cfg.run, progress=False, tensorboard=False, **run))
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+
+def test_loss_falls_on_a_tiny_model(tmp_path, corpus):
+    cfg = quiet(apply_override(tiny(), "model.residual=block"), steps=40, eval_every=40, log_every=1)
+    result = train(cfg, tmp_path, corpus=corpus)
+    curve = losses(tmp_path)
+    assert curve[1] > 5.0  # about ln 256 at the start
+    assert curve[40] < curve[1] - 1.5
+    assert result.summary["final_val_loss"] < 4.0
+    assert len(result.summary["layer_grad_norms"]) == 2
+
+
+def test_resume_continues_bit_for_bit(tmp_path, corpus):
+    cfg = quiet(apply_override(tiny(), "model.residual=mhc"), steps=6, log_every=1, eval_every=100, ckpt_every=3)
+    train(cfg, tmp_path / "straight", corpus=corpus)
+    # the same run, "crashed" after its step-3 checkpoint: drop what came later, then resume
+    crashed = tmp_path / "crashed"
+    train(cfg, crashed, corpus=corpus)
+    ckpts = crashed / "checkpoints"
+    shutil.rmtree(ckpts / "step-0000006")
+    (ckpts / "latest").write_text("step-0000003")
+    (crashed / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (crashed / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["step"] <= 3)
+    )
+    train(cfg, crashed, corpus=corpus, resume=True)
+    a, b = losses(tmp_path / "straight"), losses(crashed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert [a[s] for s in a] == [b[s] for s in a]  # bit for bit
+
+
+def test_lr_schedules():
+    from attnres.train.config import OptimConfig
+
+    cos = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(0, 100, cos) == pytest.approx(0.1)
+    assert lr_at(9, 100, cos) == pytest.approx(1.0)
+    assert lr_at(55, 100, cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 45 / 90)))
+    assert lr_at(100, 100, cos) == pytest.approx(0.1)
+    wsd = OptimConfig(lr=1.0, warmup_steps=10, schedule="wsd", min_lr_ratio=0.0, decay_fraction=0.2)
+    assert lr_at(50, 100, wsd) == 1.0 and lr_at(79, 100, wsd) == 1.0
+    assert lr_at(89, 100, wsd) == pytest.approx(0.5)
+    assert lr_at(99, 100, wsd) == pytest.approx(0.0)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    cfg = quiet(tiny(), steps=4, ckpt_every=2)
+    train(cfg, tmp_path, corpus=corpus)  # a good run leaves step-4
+    bad = quiet(apply_override(tiny(), "model.init_std=1e30"), steps=4)
+    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step [12]; stopping.*step-0000004\) is kept"):
+        train(bad, tmp_path, corpus=corpus)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000004"
+
+
+CRASH_CHILD = r"""
+import os, signal, sys, torch
+from attnres.train import checkpoint as ck
+root = sys.argv[1]
+state = {"w": torch.arange(6.0)}
+ck.save_checkpoint(root, 1, state, {"step": 1})
+real_save = torch.save
+def dying_save(obj, path, *a, **k):
+    with open(path, "wb") as f:
+        f.write(b"partial")
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # the machine dies mid-write
+torch.save = dying_save
+ck.save_checkpoint(root, 2, {"w": torch.zeros(6)}, {"step": 2})
+"""
+
+
+def test_atomic_save_survives_a_crash_mid_write(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", CRASH_CHILD, str(tmp_path)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "step-0000001"
+    weights, state = load_checkpoint(latest)
+    assert torch.equal(weights["w"], torch.arange(6.0)) and state["step"] == 1
+    # the next save succeeds over the debris
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(6)}, {"step": 2})
+    assert latest_checkpoint(tmp_path).name == "step-0000002"
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"w": torch.ones(3)}, {"step": 1})
+    import attnres.train.checkpoint as ck
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck.torch, "save", no_space)
+    with pytest.raises(CheckpointError, match="No space left on device.*step-0000001 is kept"):
+        save_checkpoint(tmp_path, 2, {"w": torch.zeros(3)}, {"step": 2})
+    assert latest_checkpoint(tmp_path).name == "step-0000001"
+    assert not list(tmp_path.glob(".step-*"))  # no debris
+
+
+def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path, corpus):
+    cfg = quiet(tiny(), steps=2)
+    train(cfg, tmp_path, corpus=corpus)
+    path = latest_checkpoint(tmp_path / "checkpoints")
+    other = apply_override(cfg, "model.dim=48").model
+    with pytest.raises(CheckpointError, match=r"another model \(fields differ: \['dim'\]\)"):
+        load_checkpoint(path, other)
+    (path / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(path, cfg.model)
+    (path / "state.pt").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(path, cfg.model)
+
+
+def test_checkpoint_holds_no_code(tmp_path, corpus):
+    cfg = quiet(apply_override(tiny(), "model.tie_embeddings=true"), steps=2)
+    train(cfg, tmp_path, corpus=corpus)
+    path = latest_checkpoint(tmp_path / "checkpoints")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    assert "tok_embeddings.weight" in weights and "lm_head.weight" in weights
+    torch.load(path / "state.pt", weights_only=True)  # plain data only
+
+
+def run_cli(*args, env=None, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "attnres", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir", str(tmp_path),
+         "--set", "run.steps=100000", "--set", "run.progress=false", "--set", "run.log_every=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted, checkpoint saved" in out
+    step = int(latest_checkpoint(tmp_path / "checkpoints").name.split("-")[1])
+    assert step >= 1 and json.loads((tmp_path / "summary.json").read_text())["interrupted"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--set", "model.nope=1"], "unknown field; model has"),
+        (["--set", "optim.lr=fast"], "expected a value of type float"),
+        (["--set", "model.block_size=99", "--set", "model.residual=block"], "does not apply"),
+        (["--set", "model.residual=block", "--set", "model.block_size=99"], r"block_size=99 must be an integer in \[1, 4\]"),
+        (["--data", "/nonexistent/corpus"], "data path /nonexistent/corpus does not exist"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+    ],
+)
+def test_cli_errors_are_clear(tmp_path, args, message):
+    preset = [] if "--preset" in args else ["--preset", "tiny"]
+    proc = run_cli("train", *preset, "--run-dir", str(tmp_path), *args)
+    assert proc.returncode == 2
+    assert re.search(message, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
