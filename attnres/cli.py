@@ -1,4 +1,4 @@
-"""The ``attnres`` command line: compare, train, generate, report."""
+"""The ``attnres`` command line: compare, train, generate, report, convert, eval."""
 
 from __future__ import annotations
 
@@ -105,6 +105,25 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .hf import convert_checkpoint
+
+    info = convert_checkpoint(args.src, args.dst, heads=args.heads, block_layers=args.block_layers)
+    share = 100 * info["added_parameters"] / info["base_parameters"]
+    print(f"converted to {info['model_type']}: added {info['added_parameters']:,} routing parameters "
+          f"({share:.4f}% of {info['base_parameters']:,}); saved to {args.dst}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .hf.evaluate import evaluate
+
+    results = evaluate(args.model_dir, args.tasks, include_path=args.include_path, limit=args.limit,
+                       device=args.device, batch_size=args.batch_size)
+    print(json.dumps(results["results"], indent=2, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .compare import DEFAULT_DESIGNS, DESIGNS
 
@@ -137,6 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild a comparison report from its saved artifacts")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("convert", help="convert a local Llama/Mistral/Qwen2/Qwen3 model to Delta AttnRes")
+    p.add_argument("src", help="folder of the Hugging Face model")
+    p.add_argument("dst", help="folder to write the converted model to")
+    p.add_argument("--heads", type=int, default=8, help="depth-attention heads (default: %(default)s)")
+    p.add_argument("--block-layers", type=int, default=4, help="transformer layers per block (default: %(default)s)")
+    p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("eval", help="evaluate a saved model with lm-evaluation-harness")
+    p.add_argument("model_dir")
+    p.add_argument("--tasks", nargs="+", required=True)
+    p.add_argument("--include-path", help="folder of extra task YAML files")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.set_defaults(fn=cmd_eval)
     return parser
 
 

@@ -8,6 +8,10 @@ writes: ``h + v`` and the block bookkeeping of Block AttnRes (two-phase included
 ``null`` (a learned source), the pseudo-queries and the scalar gates ``a_i`` start at zero, so at
 step 0 the stream computes exactly what PreNorm computes. The output keeps the final norm with a
 gated routed term of its own (gate ``a_M``, also zero-initialized).
+
+``own_norms=False`` is for wrapping a model that keeps its own norm modules (a converted Hugging
+Face model): the stream then has no norm parameters, and ``read``/``output`` return the value
+*before* the norm (``h_i + a_i r_i``), which the caller normalizes with the model's own module.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ class DeltaState(NamedTuple):
 class DeltaAttnResStream(BlockRoutingStream):
     kind = "delta"
 
-    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
+    options = BlockRoutingStream.options + ("own_norms",)
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, own_norms: bool = True, **options):
         super().__init__(dim, num_sublayers, eps, **options)
         self.null = nn.Parameter(torch.zeros(dim))
         self.gates = nn.Parameter(torch.zeros(num_sublayers + 1))
-        self._make_norms()
+        self.own_norms = bool(own_norms)
+        if self.own_norms:
+            self._make_norms()
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -48,7 +56,11 @@ class DeltaAttnResStream(BlockRoutingStream):
 
     def _read_site(self, site: int, state: DeltaState) -> torch.Tensor:
         routed = self._route_block(site, state.routed)
-        return self._finish_read(site, state.h + self.gates[site].to(state.h.dtype) * routed)
+        u = state.h + self.gates[site].to(state.h.dtype) * routed
+        if not self.own_norms:
+            self._record_rms(site, u)
+            return u
+        return self._finish_read(site, u)
 
     def read(self, state: DeltaState, i: int) -> torch.Tensor:
         return self._read_site(i, state)

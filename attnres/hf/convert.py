@@ -1,0 +1,199 @@
+"""Identity-preserving conversion of a pretrained Llama, Mistral, Qwen2 or Qwen3 causal LM to
+Delta AttnRes (SPEC section 5).
+
+The converted model keeps the source architecture's own modules (embeddings, attention with its
+head_dim, q/k norms, biases and rotary scaling, MLP, norms, head); attnres's delta stream routes
+around them. The stream's new parameters (pseudo-queries, key gains, null source, scalar gates)
+start at zero and unit gains, so at step 0 the converted model computes exactly what the source
+computed; the base weights are untouched.
+
+Each source architecture gets its own config class (``model_type = "attnres_<source>"``, the
+source's fields plus ``delta_heads`` and ``delta_block_layers``) and model class, registered
+with the Auto classes when ``attnres.hf`` is imported.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.llama import LlamaConfig, LlamaForCausalLM
+from transformers.models.mistral import MistralConfig, MistralForCausalLM
+from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+from ..streams import DeltaAttnResStream
+
+SOURCES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+class DeltaRoutingForCausalLM:
+    """The forward pass shared by every converted architecture (mixed into its causal LM)."""
+
+    def _init_routing(self, config) -> None:
+        layers = config.num_hidden_layers
+        heads, block_layers = config.delta_heads, config.delta_block_layers
+        if config.hidden_size % heads:
+            raise ValueError(f"heads={heads} must divide hidden_size={config.hidden_size}")
+        if not 1 <= block_layers <= layers:
+            raise ValueError(f"block_layers={block_layers} must be in [1, {layers}] (the number of layers)")
+        self.routing = DeltaAttnResStream(
+            config.hidden_size, 2 * layers, config.rms_norm_eps, heads=heads,
+            block_size=2 * block_layers, own_norms=False,
+        )
+
+    def _masks(self, inputs_embeds, attention_mask, cache, position_ids) -> list:
+        kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                      cache=cache, position_ids=position_ids)
+        n = self.config.num_hidden_layers
+        if self.config.model_type == "attnres_mistral":
+            fn = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+            return [fn(**kwargs)] * n
+        types = getattr(self.config, "layer_types", None) or ["full_attention"] * n
+        full = create_causal_mask(**kwargs)
+        sliding = create_sliding_window_causal_mask(**kwargs) if "sliding_attention" in types else None
+        return [sliding if t == "sliding_attention" else full for t in types]
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+        base = self.model
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = base.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)
+        masks = self._masks(inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
+        stream = self.routing
+        state = stream.init(inputs_embeds)
+        for l, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
+            x = layer.input_layernorm(stream.read(state, 2 * l))
+            attn, _ = layer.self_attn(hidden_states=x, attention_mask=masks[l], position_ids=position_ids,
+                                      cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                      **kwargs)
+            state = stream.write(state, 2 * l, attn)
+            x = layer.post_attention_layernorm(stream.read(state, 2 * l + 1))
+            state = stream.write(state, 2 * l + 1, layer.mlp(x))
+        hidden = base.norm(stream.output(state))
+        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+
+def _make_classes(source: str):
+    config_cls, model_cls = SOURCES[source]
+    name = config_cls.__name__.replace("Config", "")
+
+    config = strict(type(f"AttnRes{name}Config", (config_cls,), {
+        "__module__": __name__,
+        "__annotations__": {"delta_heads": int, "delta_block_layers": int},
+        "model_type": f"attnres_{source}",
+        "delta_heads": 8,
+        "delta_block_layers": 4,
+        "__doc__": f"{config_cls.__name__} plus the Delta AttnRes routing: delta_heads, delta_block_layers.",
+    }))
+
+    def __init__(self, cfg):
+        model_cls.__init__(self, cfg)
+        self._init_routing(cfg)
+
+    def _init_weights(self, module):
+        if isinstance(module, DeltaAttnResStream):
+            module.reset_parameters()  # zero queries, null and gates; unit key gains
+        else:
+            model_cls._init_weights(self, module)
+
+    model = type(f"AttnRes{name}ForCausalLM", (DeltaRoutingForCausalLM, model_cls), {
+        "__module__": __name__,
+        "config_class": config,
+        "__init__": __init__,
+        "_init_weights": _init_weights,
+        "__doc__": f"{model_cls.__name__} with Delta AttnRes routing around its sublayers.",
+    })
+    return config, model
+
+
+CONVERTED = {source: _make_classes(source) for source in SOURCES}
+
+
+def register() -> None:
+    for config, model in CONVERTED.values():
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+
+
+def routing_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters the conversion added (``routing.*``)."""
+    return {n: p for n, p in model.named_parameters() if n.startswith("routing.")}
+
+
+def freeze_base(model) -> None:
+    """Train only the routing: every parameter but ``routing.*`` stops requiring gradients."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("routing."))
+
+
+def convert(source, *, heads: int = 8, block_layers: int = 4):
+    """Convert a Llama/Mistral/Qwen2/Qwen3 causal LM (a model or a local path) to Delta AttnRes.
+
+    Returns the converted model, in the source's dtype, with the source's weights and
+    zero-initialized routing.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} is not a local Hugging Face model folder (config.json missing)")
+        source = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
+    model_type = getattr(source.config, "model_type", None)
+    if model_type not in SOURCES or not hasattr(source, "lm_head"):
+        raise ValueError(
+            f"cannot convert model_type={model_type!r} ({type(source).__name__}); supported decoder "
+            f"causal LMs: {sorted(SOURCES)}"
+        )
+    config_cls, model_cls = CONVERTED[model_type]
+    fields = source.config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    config = config_cls(**fields, delta_heads=heads, delta_block_layers=block_layers)
+    converted = model_cls(config)
+    missing, unexpected = converted.load_state_dict(source.state_dict(), strict=False)
+    added = set(routing_parameters(converted))
+    if unexpected or set(missing) - added:
+        raise ValueError(f"conversion left weights unmatched: missing {sorted(set(missing) - added)}, unexpected {unexpected}")
+    converted.routing.reset_parameters()
+    dtype = next(source.parameters()).dtype
+    return converted.to(dtype).eval() if not source.training else converted.to(dtype)
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int = 4) -> dict:
+    """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
+    files; returns ``{"added_parameters", "base_parameters", "model_type"}``."""
+    model = convert(src, heads=heads, block_layers=block_layers)
+    dst = Path(dst)
+    model.save_pretrained(str(dst))
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, dst / name)
+    added = sum(p.numel() for p in routing_parameters(model).values())
+    return {"added_parameters": added, "base_parameters": sum(p.numel() for p in model.parameters()) - added,
+            "model_type": model.config.model_type}

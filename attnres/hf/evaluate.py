@@ -1,0 +1,41 @@
+"""Evaluation with lm-evaluation-harness on a saved attnres model (native or converted).
+
+Importing ``attnres.hf`` registers the model classes with the Auto classes, so lm-eval's ``HFLM``
+loads the folder like any Hugging Face model: no ``trust_remote_code``, nothing executed from
+the checkpoint. Generation tasks need ``batch_size=1`` (the models run unpadded inputs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 1):
+    """lm-eval's ``HFLM`` around the model and tokenizer saved in ``model_dir``."""
+    try:
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as exc:
+        raise ValueError(f"evaluation needs lm-evaluation-harness with its hf extra ({exc}): "
+                         "pip install 'attnres[hf]'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import register  # noqa: F401  (the Auto classes know attnres models from here on)
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"{model_dir} is not a saved model folder (config.json missing)")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+
+
+def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | None = None,
+             limit: int | None = None, device: str = "cpu", batch_size: int = 1,
+             log_samples: bool = False) -> dict:
+    """Run ``lm_eval.simple_evaluate`` on ``tasks``; ``include_path`` adds a folder of task YAMLs."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    lm = lm_eval_model(model_dir, device=device, batch_size=batch_size)
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)

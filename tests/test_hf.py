@@ -1,0 +1,231 @@
+"""Hugging Face integration: native models, exact conversion, training, lm-eval, refusals."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnres.hf  # noqa: E402  (registers the Auto classes)
+from attnres import ModelConfig  # noqa: E402
+from attnres.hf import AttnResConfig, AttnResForCausalLM, byte_tokenizer, convert, freeze_base, routing_parameters  # noqa: E402
+from attnres.hf.finetune import finetune  # noqa: E402
+from attnres.train.data import stdlib_corpus  # noqa: E402
+
+AutoModelForCausalLM = transformers.AutoModelForCausalLM
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def source_model(kind, **overrides):
+    torch.manual_seed(0)
+    cfgs = {
+        "llama": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True, **overrides),
+        "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True, **overrides),
+        "qwen2": lambda: transformers.Qwen2Config(**SMALL, **overrides),
+        "mistral": lambda: transformers.MistralConfig(**SMALL, **overrides),
+    }
+    model = AutoModelForCausalLM.from_config(cfgs[kind]())
+    with torch.no_grad():  # non-trivial norm gains, so that a norm applied twice or skipped would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def ids(b=2, t=20, seed=0):
+    return torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral"])
+def test_conversion_is_exact_in_fp32(kind):
+    src = source_model(kind)
+    conv = convert(src, heads=4, block_layers=2)
+    x = ids()
+    assert torch.equal(conv(input_ids=x).logits, src(input_ids=x).logits)
+    assert conv.config.model_type == f"attnres_{kind}"
+    # the base weights are untouched
+    for name, p in src.state_dict().items():
+        assert torch.equal(conv.state_dict()[name], p), name
+
+
+def test_qwen3_head_dim_differs_from_hidden_over_heads():
+    src = source_model("qwen3")
+    assert src.config.head_dim * src.config.num_attention_heads != src.config.hidden_size
+    assert src.model.layers[0].self_attn.q_norm is not None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_perturbing_routing_changes_logits(kind):
+    src = source_model(kind)
+    conv = convert(src, heads=4, block_layers=2)
+    with torch.no_grad():
+        conv.routing.gates.fill_(0.5)
+        conv.routing.pseudo_queries.normal_()
+    x = ids()
+    assert (conv(input_ids=x).logits - src(input_ids=x).logits).abs().max() > 1e-3
+
+
+def test_save_load_roundtrip_and_generation(tmp_path):
+    src = source_model("qwen3")
+    src.save_pretrained(tmp_path / "src")
+    byte_tokenizer().save_pretrained(tmp_path / "src")
+    proc = subprocess.run([sys.executable, "-m", "attnres", "convert", str(tmp_path / "src"), str(tmp_path / "dst"),
+                           "--heads", "4", "--block-layers", "2"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    M, D = 2 * 4, 64
+    added = 2 * (M + 1) * D + D + (M + 1)  # pseudo-queries, key gains, null, gates
+    assert f"added {added:,} routing parameters" in proc.stdout
+    assert (tmp_path / "dst" / "tokenizer.json").exists()
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["model_type"] == "attnres_qwen3" and config["delta_heads"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"))
+    assert type(loaded).__name__ == "AttnResQwen3ForCausalLM"
+    x = ids()
+    assert torch.equal(loaded(input_ids=x).logits, src(input_ids=x).logits)
+    prompt = ids(b=1, t=6)
+    a = src.generate(prompt, max_new_tokens=10, do_sample=False)
+    b = loaded.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_native_model_roundtrip_tokenizer_and_generate(tmp_path):
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, residual="block",
+                     num_blocks=2, heads=2, max_seq_len=128, tie_embeddings=True)
+    model = AttnResForCausalLM(AttnResConfig.from_model_config(mc))
+    with torch.no_grad():
+        model.model.stream.pseudo_queries.normal_()
+    tok = byte_tokenizer()
+    text = "def f(x):\n    return 'héllo'"
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.decode(list(text.encode())) == text
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert isinstance(loaded, AttnResForCausalLM)
+    assert loaded.model.lm_head.weight is loaded.model.tok_embeddings.weight
+    x = torch.tensor([list(text.encode())])
+    assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+    assert torch.equal(loaded.generate(x, max_new_tokens=12, do_sample=False), model.model.generate(x, 12))
+    out = loaded(input_ids=x, labels=x)
+    assert torch.isfinite(out.loss)
+
+
+def test_continued_pretraining_moves_every_routing_parameter():
+    src = source_model("llama")
+    conv = convert(src, heads=4, block_layers=2)
+    freeze_base(conv)
+    assert {n for n, p in conv.named_parameters() if p.requires_grad} == set(routing_parameters(conv))
+    tokens, _ = stdlib_corpus(max_train_bytes=300_000, max_val_bytes=1)
+    initial = {n: p.detach().clone() for n, p in routing_parameters(conv).items()}
+    grads_at_zero, moved = {}, []
+
+    def record(step, model):
+        named = routing_parameters(model)
+        moved.append({n for n in named if not torch.equal(named[n], initial[n])})
+
+    # step 0's gradients, before any update
+    x = torch.from_numpy(tokens[:65].astype("int64"))[None]
+    loss = torch.nn.functional.cross_entropy(conv(input_ids=x[:, :-1]).logits[0], x[0, 1:])
+    loss.backward()
+    for n, p in routing_parameters(conv).items():
+        assert p.grad is not None, n
+        grads_at_zero[n] = float(p.grad.abs().max())
+    conv.zero_grad()
+    assert {n for n, g in grads_at_zero.items() if g > 0} == {"routing.gates"}
+    losses = finetune(conv, tokens, steps=30, batch_size=4, seq_len=64, lr=1e-2, routing_only=True, on_step=record)
+    assert moved[0] == {"routing.gates"}
+    assert moved[1] == {"routing.gates", "routing.pseudo_queries", "routing.null"}
+    assert moved[2] == set(initial)  # the key gains follow once the queries are non-zero
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    for name, p in src.state_dict().items():  # the frozen base is untouched
+        assert torch.equal(conv.state_dict()[name], p)
+
+
+def test_full_finetune_lowers_the_loss():
+    conv = convert(source_model("qwen3"), heads=4, block_layers=2)
+    tokens, _ = stdlib_corpus(max_train_bytes=300_000, max_val_bytes=1)
+    losses = finetune(conv, tokens, steps=25, batch_size=4, seq_len=64, lr=3e-3)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_unsupported_models_are_refused():
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"cannot convert model_type='bert'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+        convert(bert)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="cannot convert model_type='gpt2'"):
+        convert(gpt2)
+    with pytest.raises(ValueError, match=r"heads=5 must divide hidden_size=64"):
+        convert(source_model("llama"), heads=5)
+    with pytest.raises(ValueError, match=r"block_layers=9 must be in \[1, 4\]"):
+        convert(source_model("llama"), heads=4, block_layers=9)
+
+
+TASK = """task: attnres_tiny
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+"""
+
+DOCS = [
+    {"context": "def add(a, b):\n    return", "choices": ["a + b", "banana"], "label": 0},
+    {"context": "import os\nprint(os.path.", "choices": ["join('x')", "zzz"], "label": 0},
+    {"context": "for i in", "choices": ["range(10):", "!!!"], "label": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tasks")
+    data = d / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    (d / "attnres_tiny.yaml").write_text(TASK.format(data=data))
+    return d
+
+
+def own_loglikelihood(model, context: str, continuation: str) -> float:
+    ctx, cont = list(context.encode()), list(continuation.encode())
+    x = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=x[:, :-1]).logits.double(), -1)[0]
+    return float(sum(logp[len(ctx) - 1 + k, t] for k, t in enumerate(cont)))
+
+
+@pytest.mark.parametrize("kind", ["native", "converted"])
+def test_lm_eval_loglikelihoods_match_the_model(kind, task_dir, tmp_path):
+    pytest.importorskip("lm_eval")
+    if kind == "native":
+        torch.manual_seed(1)
+        model = AttnResForCausalLM(AttnResConfig.from_model_config(ModelConfig(
+            vocab_size=256, dim=32, n_layers=2, n_heads=2, residual="full", max_seq_len=128)))
+    else:
+        model = convert(source_model("llama"), heads=4, block_layers=2)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    from attnres.hf.evaluate import evaluate
+
+    out = evaluate(tmp_path, ["attnres_tiny"], include_path=str(task_dir), log_samples=True)
+    assert 0.0 <= out["results"]["attnres_tiny"]["acc,none"] <= 1.0
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    samples = out["samples"]["attnres_tiny"]
+    assert len(samples) == len(DOCS)
+    for sample in samples:
+        doc = sample["doc"]
+        lls = [r[0][0] for r in sample["resps"]]
+        expected = [own_loglikelihood(reloaded, doc["context"], " " + c) for c in doc["choices"]]
+        assert lls == pytest.approx(expected, abs=1e-4)
