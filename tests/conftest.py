@@ -1,7 +1,13 @@
-import pytest
-import torch
+import os
 
-from attnres import ModelConfig, Transformer
+# The Triton kernels run on CPU tensors through Triton's interpreter; the flag must be set before
+# the kernels are defined (at import of attnres.ops.triton_kernels).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnres import ModelConfig, Transformer  # noqa: E402
 
 # Every design, with the options that make it non-trivial at tiny size.
 DESIGNS = {

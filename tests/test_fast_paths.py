@@ -169,13 +169,13 @@ def test_two_phase_is_used_and_reads_completed_blocks_once(monkeypatch):
     import attnres.streams.attnres as mod
 
     calls = []
-    real = mod.depth_attention_multi
+    real = mod.multi_query_attention
 
     def counting(queries, sources, gains=None, **kw):
         calls.append((queries.shape[0], len(sources)))
         return real(queries, sources, gains, **kw)
 
-    monkeypatch.setattr(mod, "depth_attention_multi", counting)
+    monkeypatch.setattr(mod, "multi_query_attention", counting)
     stream = build_stream("block", dim=8, num_sublayers=7, block_size=3)
     drive(stream, torch.randn(2, 8), [torch.randn(8, 8) for _ in range(7)])
     # blocks open at sublayers 0, 3, 6; the last also holds the output query (virtual sublayer 7)

@@ -1,6 +1,13 @@
 """Math only: tensors in, tensors out."""
 
-from .depth_attention import BACKENDS, check_depth_inputs, depth_attention, resolve_backend
+from .depth_attention import (
+    BACKENDS,
+    check_depth_inputs,
+    depth_attention,
+    merge,
+    multi_query_attention,
+    resolve_backend,
+)
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
 from .two_phase import merge_partial
@@ -11,7 +18,9 @@ __all__ = [
     "BACKENDS",
     "RMSNorm",
     "depth_attention_multi",
+    "merge",
     "merge_partial",
+    "multi_query_attention",
     "resolve_backend",
     "check_depth_inputs",
     "depth_attention",

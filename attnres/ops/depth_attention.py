@@ -6,6 +6,7 @@ inputs once (shapes only, nothing that costs a device sync) and dispatches to a 
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -13,9 +14,10 @@ import torch
 
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
+from .two_phase import merge_partial
 
 SCORES = ("softmax", "sigmoid")
-BACKENDS = ("auto", "torch", "naive")
+BACKENDS = ("auto", "torch", "naive", "triton")
 _warned: set[str] = set()
 
 
@@ -25,25 +27,72 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, per_token_query: bool = False) -> str:
-    """The backend that will run: ``naive`` or ``torch``.
+def _triton_problem(device_type: str, score: str, key_norm: bool) -> str | None:
+    """Why the Triton kernels cannot run here, or None when they can."""
+    if score != "softmax" or not key_norm:
+        return "the Triton kernels implement the method (softmax over RMS-normalized keys), not the score/key-norm ablations"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernels run on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {device_type} tensors"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'attnres[triton]')"
+    return None
 
-    ``auto`` picks the memory-efficient ``torch`` path; it alone may fall back (to ``naive``
-    for per-token queries, warning once). An explicit backend that cannot run raises.
+
+def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: bool = False,
+                    score: str = "softmax", key_norm: bool = True) -> str:
+    """The backend that will run: ``naive``, ``torch`` or ``triton``.
+
+    ``auto`` picks Triton for CUDA tensors and ``torch`` elsewhere; it alone may fall back
+    (warning once). An explicit backend that cannot run raises ``RuntimeError`` saying why.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "naive":
         return "naive"
     if per_token_query:
-        if backend == "torch":
+        if backend != "auto":
             raise RuntimeError(
-                "backend='torch' takes one query [D] shared by all tokens; per-token queries "
+                f"backend={backend!r} takes one query [D] shared by all tokens; per-token queries "
                 "[..., D] (the input-dependent ablation) run on backend='naive'"
             )
         warn_once("depth_attention: per-token queries use the reference (naive) path")
         return "naive"
+    if backend == "triton":
+        problem = _triton_problem(device_type, score, key_norm)
+        if problem:
+            raise RuntimeError(f"backend='triton' cannot run: {problem}")
+        return "triton"
+    if backend == "auto" and device_type == "cuda":
+        problem = _triton_problem(device_type, score, key_norm)
+        if problem is None:
+            return "triton"
+        warn_once(f"depth_attention: using the torch backend on CUDA because {problem}")
     return "torch"
+
+
+def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+                          key_norm=True, backend="auto"):
+    """``S`` queries ``[S, D]`` against ``sources``: ``(out [S, ..., D], lse [S, ..., H])`` on the
+    chosen backend (``naive`` is not offered: the reference routes one query at a time)."""
+    chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm)
+    if chosen == "triton":
+        from .triton_kernels import depth_attention_multi_triton
+
+        return depth_attention_multi_triton(queries, sources, gains, heads=heads, eps=eps)
+    return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm)
+
+
+def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
+          backend="auto"):
+    """Phase 2 of the two-phase Block computation on the chosen backend (``ops.two_phase``)."""
+    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm)
+    if chosen == "triton":
+        from .triton_kernels import merge_partial_triton
+
+        return merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
+    return merge_partial(o1, lse1, partial, query, gain, heads=heads, eps=eps, score=score, key_norm=key_norm)
 
 
 def check_depth_inputs(
@@ -105,18 +154,21 @@ def depth_attention(
         score: ``"softmax"`` (the method) or ``"sigmoid"`` (SPEC section 9 ablation).
         key_norm: normalize keys with RMSNorm (``False`` is the SPEC section 9 ablation).
         backend: ``"naive"`` (the reference: stacks and normalizes every source), ``"torch"``
-            (memory-efficient autograd, ``ops.fused``) or ``"auto"`` (``torch``, falling back to
-            ``naive`` with a warning where ``torch`` cannot run). Returning the weights
-            materializes them, so ``return_weights=True`` computes them on the reference path.
+            (memory-efficient autograd, ``ops.fused``), ``"triton"`` (fused kernels,
+            ``ops.triton_kernels``) or ``"auto"`` (Triton on CUDA, ``torch`` elsewhere; it alone
+            falls back, warning once). Returning the weights materializes them, so
+            ``return_weights=True`` computes them on the reference path.
 
     Returns:
         ``[..., D]`` in the sources' dtype (math in fp32), and the weights if requested.
     """
     check_depth_inputs(query, sources, gain, heads, score)
-    if resolve_backend(backend, query.ndim > 1) == "torch" and not return_weights:
-        out, _ = depth_attention_multi(
+    chosen = resolve_backend(backend, device_type=sources[0].device.type, per_token_query=query.ndim > 1,
+                             score=score, key_norm=key_norm)
+    if chosen != "naive" and not return_weights:
+        out, _ = multi_query_attention(
             query.unsqueeze(0), sources, None if gain is None else gain.unsqueeze(0),
-            heads=heads, eps=eps, score=score, key_norm=key_norm,
+            heads=heads, eps=eps, score=score, key_norm=key_norm, backend=chosen,
         )
         return out[0]
     return depth_attention_naive(

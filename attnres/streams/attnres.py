@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import depth_attention, depth_attention_multi, merge_partial
+from ..ops import depth_attention, merge, multi_query_attention
 from ..ops.depth_attention import BACKENDS, SCORES
 from .base import Stream, resolve_block_size
 
@@ -36,8 +36,8 @@ class DepthRoutingStream(Stream):
             ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized).
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
         key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
-        backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"torch"`` or
-            ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
+        backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"torch"``,
+            ``"triton"`` or ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
     """
 
     options = ("heads", "query", "score", "key_norm", "backend")
@@ -214,9 +214,9 @@ class BlockRoutingStream(DepthRoutingStream):
             return state
         last = min(first_site + self.block_size, self.num_sublayers + 1)
         gains = None if self.key_gains is None else self.key_gains[first_site:last]
-        out, lse = depth_attention_multi(
+        out, lse = multi_query_attention(
             self.pseudo_queries[first_site:last], self.completed_sources(state), gains,
-            **self._routing_kwargs(),
+            backend=self.backend, **self._routing_kwargs(),
         )
         return state._replace(phase_one=PhaseOne(out, lse, first_site))
 
@@ -229,9 +229,9 @@ class BlockRoutingStream(DepthRoutingStream):
         if state.partial is None:  # first sublayer of a block: nothing to merge
             return o1
         gain = None if self.key_gains is None else self.key_gains[site]
-        return merge_partial(
+        return merge(
             o1, ph.lse[site - ph.first_site], state.partial, self.pseudo_queries[site], gain,
-            **self._routing_kwargs(),
+            backend=self.backend, **self._routing_kwargs(),
         )
 
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:

@@ -1,0 +1,96 @@
+"""The Triton kernels (under TRITON_INTERPRET=1 on CPU) against the naive twin: forward and every
+gradient, odd shapes, several head counts; at most 64 tokens, 9 sources and D = 96."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attnres import build_stream  # noqa: E402
+from attnres.ops import depth_attention, depth_attention_naive, merge, multi_query_attention  # noqa: E402
+
+from .test_fast_paths import assert_close_to_scale, drive  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+
+SHAPES = [
+    pytest.param(1, 6, 1, (5,), id="H1-D6-N1-T5"),
+    pytest.param(2, 10, 4, (2, 3), id="H2-D10-N4-T6"),
+    pytest.param(4, 12, 9, (7,), id="H4-D12-N9-T7"),
+    pytest.param(3, 96, 5, (8, 8), id="H3-D96-N5-T64"),
+    pytest.param(8, 96, 9, (3, 5), id="H8-D96-N9-T15"),
+]
+
+
+def make(dim, n, lead, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*lead, dim, generator=g) * (1 + j)).requires_grad_() for j in range(n)]
+    query = (0.5 * torch.randn(dim, generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(dim, generator=g)).requires_grad_()
+    return query, gain, sources
+
+
+@pytest.mark.parametrize("heads,dim,n,lead", SHAPES)
+def test_triton_read_matches_naive(heads, dim, n, lead):
+    query, gain, sources = make(dim, n, lead)
+    fast = depth_attention(query, sources, gain, heads=heads, backend="triton")
+    ref = depth_attention(query, sources, gain, heads=heads, backend="naive")
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    cot = torch.randn_like(ref)
+    inputs = [query, gain, *sources]
+    for a, b in zip(torch.autograd.grad(fast, inputs, cot), torch.autograd.grad(ref, inputs, cot)):
+        assert_close_to_scale(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("heads,dim,n,lead", SHAPES[1:4])
+def test_triton_multi_query_and_merge_match_naive(heads, dim, n, lead):
+    query, gain, sources = make(dim, n, lead, seed=1)
+    g = torch.Generator().manual_seed(2)
+    qs = torch.randn(3, dim, generator=g).requires_grad_()
+    ks = (1 + 0.2 * torch.randn(3, dim, generator=g)).requires_grad_()
+    completed, partial = sources[:-1], sources[-1]
+    o1, lse1 = multi_query_attention(qs, completed, ks, heads=heads, backend="triton")
+    h = torch.stack([merge(o1[s], lse1[s], partial, qs[s], ks[s], heads=heads, backend="triton") for s in range(3)])
+    ref = torch.stack([depth_attention_naive(qs[s], sources, ks[s], heads=heads) for s in range(3)])
+    torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-5)
+    cot = torch.randn_like(ref)
+    inputs = [qs, ks, *sources]
+    for a, b in zip(torch.autograd.grad(h, inputs, cot), torch.autograd.grad(ref, inputs, cot)):
+        assert_close_to_scale(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["block", "delta"])
+def test_triton_stream_matches_per_sublayer_naive(kind):
+    dim, m, s, heads = 12, 7, 3, 2
+    g = torch.Generator().manual_seed(5)
+    fast = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads, backend="triton")
+    ref = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads, backend="naive", two_phase=False)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    ref.load_state_dict(fast.state_dict())
+    weights = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(m)]
+    e = torch.randn(2, 3, dim, generator=g)
+    results = []
+    for stream in (fast, ref):
+        e_ = e.clone().requires_grad_()
+        reads, out = drive(stream, e_, weights)
+        loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + (out**2).sum()
+        results.append((reads + [out], torch.autograd.grad(loss, [e_, *stream.parameters()])))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_close_to_scale(a, b, 1e-5)
+
+
+def test_triton_refuses_what_it_cannot_run(monkeypatch):
+    query, gain, sources = make(8, 2, (3,))
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run: .*score/key-norm ablations"):
+        depth_attention(query, sources, gain, backend="triton", score="sigmoid")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="run on CUDA tensors .* got cpu tensors"):
+        depth_attention(query, sources, gain, backend="triton")
+    # auto never picks Triton for CPU tensors
+    torch.testing.assert_close(depth_attention(query, sources, gain), depth_attention(query, sources, gain, backend="naive"))
