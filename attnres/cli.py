@@ -65,8 +65,6 @@ def cmd_train(args) -> int:
 
 def load_run(run_dir: Path):
     """The model of a training run folder, with its latest checkpoint's weights."""
-    import dataclasses
-
     from .model import Transformer
     from .train.checkpoint import latest_checkpoint, load_checkpoint
     from .train.config import from_dict
@@ -80,7 +78,7 @@ def load_run(run_dir: Path):
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint")
     weights, _ = load_checkpoint(ckpt, cfg.model)
-    model = Transformer(dataclasses.replace(cfg.model, backend="auto") if cfg.model.residual in ("full", "block", "delta") else cfg.model)
+    model = Transformer(cfg.model)
     model.load_state_dict(weights)
     return model.eval(), cfg
 

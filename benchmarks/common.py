@@ -75,7 +75,10 @@ def ratio_summary(times: dict[str, list[float]], baseline: str) -> dict[str, dic
 def child_memory(script: str, variant: str, extra: list[str] | None = None) -> dict:
     """Run ``script --child variant`` in a fresh interpreter; it prints one JSON line."""
     cmd = [sys.executable, script, "--child", variant, *(extra or [])]
-    env = dict(os.environ)
+    # Large blocks go straight to mmap and back to the system when freed, so that the peak RSS
+    # tracks the peak of live tensors rather than what glibc's heap happens to retain
+    # (without it, repeated runs of one variant differ by 20%).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

@@ -12,8 +12,8 @@ that is never stacked. What it keeps for backward:
 
 The key-norm gain is folded into the query (``w . (k * RMSNorm(v)) = (w * k) . RMSNorm(v)``), so a
 source is normalized by one scalar per token, shared by all ``S`` queries and ``H`` heads, and
-the logits of all queries and heads come out of one matmul against a block-diagonal ``[D, S H]``
-query matrix. Forward sweeps the sources twice (logits, then the weighted sum); backward once.
+the logits of all queries and heads come out of one matmul against a block-diagonal
+query matrix ``[S H, D]``. Forward sweeps the sources twice (logits, then the weighted sum); backward once.
 
 Shapes: queries ``[S, D]``, gains ``[S, D]`` or None, sources ``N x [..., D]``; returns
 ``out`` ``[S, ..., D]`` (sources' dtype) and ``lse`` ``[S, ..., H]`` (fp32).
@@ -24,21 +24,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn import functional as F
 
 
 def head_matrix(qg: torch.Tensor, heads: int) -> torch.Tensor:
-    """Block-diagonal ``[D, S*H]``: column ``(s, h)`` holds ``qg[s]``'s slice ``h`` in rows
-    ``h*Dh:(h+1)*Dh``, so ``v @ head_matrix`` gives every query's per-head logit at once."""
+    """Block-diagonal ``[S*H, D]``: row ``(s, h)`` holds ``qg[s]``'s slice ``h`` in columns
+    ``h*Dh:(h+1)*Dh`` and zeros elsewhere, so ``F.linear(v, head_matrix)`` gives every query's
+    per-head logit at once (a contiguous ``[out, in]`` weight: the fast layout for a thin GEMM)."""
     S, D = qg.shape
     dh = D // heads
     eye = torch.eye(heads, dtype=qg.dtype, device=qg.device)
-    blocks = qg.view(S, heads, dh, 1) * eye.view(1, heads, 1, heads)  # [S, H', Dh, H]
-    return blocks.permute(1, 2, 0, 3).reshape(D, S * heads)
+    blocks = qg.view(S, 1, heads, dh) * eye.view(1, heads, heads, 1)  # [S, H, H', Dh]
+    return blocks.reshape(S * heads, D)
 
 
 def _logits(v, Qm, eps, key_norm, S, H):
     """Logits ``[S, ..., H]`` and inverse RMS ``[...]`` (or None) of one source ``v`` ``[..., D]``."""
-    raw = (v @ Qm).unflatten(-1, (S, H)).movedim(-2, 0)  # [S, ..., H]
+    raw = F.linear(v, Qm).unflatten(-1, (S, H)).movedim(-2, 0)  # [S, ..., H]
     if not key_norm:
         return raw, None
     d = v.shape[-1]
@@ -117,11 +119,13 @@ class DepthAttentionFunction(torch.autograd.Function):
                 # d qg[s, h-slice] = sum_tokens c[s, h] * v[h-slice]: the block diagonal of c^T v
                 d_qg += c_flat.reshape(-1, S * H).T @ vf.reshape(-1, D)
             if need_src[j]:
-                dv = (p.unsqueeze(-1) * gh).sum(0).view(*lead, D)  # value path
-                dv = dv + c_flat @ Qm.T  # logit path through the raw dot product
+                dv = (c_flat @ Qm).view(*lead, H, dh)  # logit path through the raw dot product
+                for q in range(S):  # value path, fused multiply-adds
+                    dv.addcmul_(p[q].unsqueeze(-1), gh[q])
+                dv = dv.view(*lead, D)
                 if key_norm:  # logit path through the inverse RMS: d r / d v = -r^3 v / D
                     coef = (ds * s).sum(dim=(0, -1)) * inv_rms[j].square() / D  # [...]
-                    dv = dv - coef.unsqueeze(-1) * vf
+                    dv.addcmul_(coef.unsqueeze(-1), vf, value=-1.0)
                 grads.append(dv.to(v.dtype))
             else:
                 grads.append(None)

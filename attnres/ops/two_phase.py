@@ -14,6 +14,7 @@ and ``P`` (which exist anyway) and one weight per token and head.
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from .fused import head_matrix
 
@@ -39,7 +40,7 @@ def merge_partial(
     dt = torch.promote_types(partial.dtype, torch.float32)
     P = partial.to(dt)
     qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
-    s2 = P @ head_matrix(qg.unsqueeze(0), heads)  # [..., H]
+    s2 = F.linear(P, head_matrix(qg.unsqueeze(0), heads))  # [..., H]
     if key_norm:
         d = partial.shape[-1]
         s2 = s2 * torch.rsqrt(torch.linalg.vector_norm(P, dim=-1).square() / d + eps).unsqueeze(-1)

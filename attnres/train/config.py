@@ -125,7 +125,7 @@ def demo() -> TrainConfig:
         model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
         data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
-        run=RunConfig(steps=200, batch_size=16, seq_len=128, eval_every=50, eval_batches=16, log_every=10),
+        run=RunConfig(steps=160, batch_size=16, seq_len=128, eval_every=40, eval_batches=12, log_every=10),
     )
 
 
