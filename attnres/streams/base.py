@@ -104,6 +104,23 @@ class Stream(nn.Module):
         return f"dim={self.dim}, num_sublayers={self.num_sublayers}"
 
 
+class MultiStream(Stream):
+    """Base of the designs that keep ``n`` copies of the hidden state, ``[..., n, D]``, each
+    starting as a copy of the embedding (HC, mHC, GR)."""
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float, streams: int, minimum: int = 1):
+        super().__init__(dim, num_sublayers, eps)
+        if not isinstance(streams, int) or streams < minimum:
+            raise ValueError(f"streams={streams!r} must be an integer >= {minimum} for {self.kind}")
+        self.streams = streams
+
+    def init(self, e: torch.Tensor) -> torch.Tensor:
+        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, streams={self.streams}"
+
+
 def resolve_block_size(num_sublayers: int, block_size: int | None, num_blocks: int | None) -> int:
     """Block size in sublayers from either ``block_size`` or ``num_blocks`` (default 8 blocks,
     capped at one block per sublayer). ``N = ceil(M / S)`` blocks result."""

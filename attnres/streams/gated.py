@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ops import rms_norm
-from .base import Stream
+from .base import MultiStream
 
 
 def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,7 @@ def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return (gates * rhat).mean(-2)
 
 
-class GatedResidualStream(Stream):
+class GatedResidualStream(MultiStream):
     kind = "gr"
     options = ("streams", "rank")
 
@@ -38,14 +38,11 @@ class GatedResidualStream(Stream):
         streams: int = 4,
         rank: int | None = None,
     ):
-        super().__init__(dim, num_sublayers, eps)
-        if not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"streams={streams!r} must be a positive integer")
+        super().__init__(dim, num_sublayers, eps, streams)
         rank = max(1, dim // 8) if rank is None else rank
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank={rank!r} must be a positive integer (default dim // 8)")
         n, sites = streams, num_sublayers + 1
-        self.streams = n
         self.rank = rank
         self.branch_gains = nn.Parameter(torch.empty(sites, dim))  # zero-centred: x * (1 + w)
         self.gate_down = nn.Parameter(torch.empty(sites, rank, n * dim))
@@ -62,9 +59,6 @@ class GatedResidualStream(Stream):
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"branch_gains"}
-
-    def init(self, e: torch.Tensor) -> torch.Tensor:
-        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
 
     def _normalized(self, R: torch.Tensor, site: int) -> torch.Tensor:
         return rms_norm(R, eps=self.eps) * (1 + self.branch_gains[site]).to(R.dtype)
@@ -93,4 +87,4 @@ class GatedResidualStream(Stream):
         return self._read(R, self.num_sublayers)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, streams={self.streams}, rank={self.rank}"
+        return f"{super().extra_repr()}, rank={self.rank}"

@@ -15,19 +15,16 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm
-from .base import Stream
+from .base import MultiStream
 
 
-class HyperConnectionStream(Stream):
+class HyperConnectionStream(MultiStream):
     kind = "hc"
     options = ("streams",)
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4):
-        super().__init__(dim, num_sublayers, eps)
-        if not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"streams={streams!r} must be a positive integer")
+        super().__init__(dim, num_sublayers, eps, streams)
         n, m = streams, num_sublayers
-        self.streams = n
         self.read_proj = nn.Parameter(torch.empty(m, dim))  # W_m
         self.mix_proj = nn.Parameter(torch.empty(m, dim, n))  # W_r
         self.write_proj = nn.Parameter(torch.empty(m, dim))  # W_b
@@ -59,9 +56,6 @@ class HyperConnectionStream(Stream):
     def _hbar(self, H: torch.Tensor) -> torch.Tensor:
         return rms_norm(H, eps=self.eps)
 
-    def init(self, e: torch.Tensor) -> torch.Tensor:
-        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
-
     def _mix_read(self, H: torch.Tensor, i: int) -> torch.Tensor:
         a_m = self.read_scale[i] * torch.tanh(self._hbar(H) @ self.read_proj[i]) + self.read_static[i]
         return (a_m.unsqueeze(-1).to(H.dtype) * H).sum(-2)  # [..., D]
@@ -85,5 +79,3 @@ class HyperConnectionStream(Stream):
         self._record_rms(self.num_sublayers, h)
         return self.final_norm(h)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, streams={self.streams}"

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm, sinkhorn
-from .base import Stream
+from .base import MultiStream
 
 
-class ManifoldHyperConnectionStream(Stream):
+class ManifoldHyperConnectionStream(MultiStream):
     kind = "mhc"
     options = ("streams", "sinkhorn_iterations")
 
@@ -35,13 +35,10 @@ class ManifoldHyperConnectionStream(Stream):
         streams: int = 4,
         sinkhorn_iterations: int = 20,
     ):
-        super().__init__(dim, num_sublayers, eps)
-        if not isinstance(streams, int) or streams < 2:
-            raise ValueError(f"streams={streams!r} must be an integer >= 2 for mhc")
+        super().__init__(dim, num_sublayers, eps, streams, minimum=2)
         if not isinstance(sinkhorn_iterations, int) or sinkhorn_iterations < 1:
             raise ValueError(f"sinkhorn_iterations={sinkhorn_iterations!r} must be >= 1")
         n, m = streams, num_sublayers
-        self.streams = n
         self.sinkhorn_iterations = sinkhorn_iterations
         self.proj = nn.Parameter(torch.empty(m, n * dim, 2 * n + n * n))  # [Phi_pre|Phi_post|Phi_res]
         self.scales = nn.Parameter(torch.empty(m, 3))  # a_pre, a_post, a_res
@@ -65,9 +62,6 @@ class ManifoldHyperConnectionStream(Stream):
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"bias", "scales"}
-
-    def init(self, e: torch.Tensor) -> torch.Tensor:
-        return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
 
     def _logits(self, H: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pre-activation logits ``[..., n]``, ``[..., n]``, ``[..., n, n]`` of site ``i``."""
@@ -102,5 +96,3 @@ class ManifoldHyperConnectionStream(Stream):
         self._record_rms(self.num_sublayers, h)
         return self.final_norm(h)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, streams={self.streams}"
