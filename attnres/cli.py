@@ -49,9 +49,11 @@ def cmd_train(args) -> int:
         saved = run_dir / "config.json"
         if not saved.exists():
             raise ValueError(f"--resume: {saved} does not exist")
-        from .train.config import from_dict
+        from .train.config import apply_override, from_dict
 
         cfg = from_dict(json.loads(saved.read_text()))
+        for assignment in args.set or []:  # e.g. --set run.steps=2000 to train further
+            cfg = apply_override(cfg, assignment)
     result = train(cfg, run_dir, resume=args.resume)
     from .train import distributed
 

@@ -93,7 +93,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         g = torch.zeros((S, *lead, D), dtype=dt, device=out.device) if g_out is None else g_out.to(dt)
         gh = g.view(S, *lead, H, dh)
         if score == "softmax":
-            # d logit_j = p_j * (g . v_j - g . out - ... + g_lse), per query and head
+            # d logit_j = p_j * (g . v_j - g . out + g_lse), per query and head (softmax Jacobian)
             centre = (gh * out.to(dt).view(S, *lead, H, dh)).sum(-1)  # [S, ..., H]
             if g_lse is not None:
                 centre = centre - g_lse
@@ -116,7 +116,7 @@ class DepthAttentionFunction(torch.autograd.Function):
             c = ds * inv_rms[j].unsqueeze(-1) if key_norm else ds  # d(raw logit), [S, ..., H]
             c_flat = c.movedim(0, -2).flatten(-2)  # [..., S*H]
             if need_q:
-                # d qg[s, h-slice] = sum_tokens c[s, h] * v[h-slice]: the block diagonal of c^T v
+                # d qg[s, h-slice] = sum_tokens c[s, h] * v[h-slice]: the block diagonal of c^T v, [S*H, D]
                 d_qg += c_flat.reshape(-1, S * H).T @ vf.reshape(-1, D)
             if need_src[j]:
                 dv = (c_flat @ Qm).view(*lead, H, dh)  # logit path through the raw dot product
@@ -131,7 +131,7 @@ class DepthAttentionFunction(torch.autograd.Function):
                 grads.append(None)
         d_queries = d_gains = None
         if need_q:
-            # keep each column block's own head slice: [S, H, H', Dh] -> diagonal over (H, H')
+            # keep each row's own head slice: [S, H, H', Dh] -> diagonal over (H, H')
             d_qg = d_qg.view(S, H, H, dh).diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(S, D)
             if ctx.needs_input_grad[0]:
                 d_queries = (d_qg if gains is None else d_qg * gains.to(dt)).to(queries.dtype)

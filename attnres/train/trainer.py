@@ -191,6 +191,11 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
         dist.load_full_state(model, optimizer, weights, state["optimizer"], info)
         torch.set_rng_state(state["rng"])
         start_step = int(state["step"])
+        if start_step >= r.steps:
+            raise ValueError(
+                f"the run in {run_dir} already finished its {start_step} steps; resume with "
+                f"--set run.steps=N (N > {start_step}) to train further"
+            )
         grad_norm_sums, grad_norm_count = state.get("grad_norm_sums"), int(state.get("grad_norm_count", 0))
         if grad_norm_sums is not None:
             grad_norm_sums = grad_norm_sums.tolist()
