@@ -199,3 +199,13 @@ def test_cli_errors_are_clear(tmp_path, args, message):
     assert proc.returncode == 2
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_resuming_a_finished_run_says_how_to_continue(tmp_path, corpus):
+    cfg = quiet(tiny(), steps=2)
+    train(cfg, tmp_path, corpus=corpus)
+    with pytest.raises(ValueError, match=r"already finished its 2 steps; resume with --set run.steps=N"):
+        train(cfg, tmp_path, corpus=corpus, resume=True)
+    longer = quiet(tiny(), steps=4, log_every=1)
+    result = train(longer, tmp_path, corpus=corpus, resume=True)
+    assert result.summary["steps"] == 4
