@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from attnres.train.trainer import peak_memory_mib
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -34,13 +36,9 @@ def rss_mib() -> float:
 
 
 def peak_rss_mib() -> float:
-    """Peak RSS of this process image in MiB. VmHWM, not getrusage's ru_maxrss: a child started
-    from a large parent inherits the parent's ru_maxrss across fork and exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
+    """Peak RSS of this process image in MiB (VmHWM, as the trainer reports it: getrusage's
+    ru_maxrss would carry a large parent's peak into a child across fork and exec)."""
+    return peak_memory_mib(torch.device("cpu"))
 
 
 def interleaved(fns: dict[str, Callable[[], None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:

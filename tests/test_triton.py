@@ -12,6 +12,7 @@ from attnres import build_stream  # noqa: E402
 from attnres.ops import depth_attention, depth_attention_naive, merge, multi_query_attention  # noqa: E402
 
 from .test_fast_paths import assert_close_to_scale, drive  # noqa: E402
+from .test_fast_paths import make as make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
 
@@ -25,11 +26,7 @@ SHAPES = [
 
 
 def make(dim, n, lead, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    sources = [(torch.randn(*lead, dim, generator=g) * (1 + j)).requires_grad_() for j in range(n)]
-    query = (0.5 * torch.randn(dim, generator=g)).requires_grad_()
-    gain = (1 + 0.3 * torch.randn(dim, generator=g)).requires_grad_()
-    return query, gain, sources
+    return make_inputs(dim, n, lead, torch.float32, seed)
 
 
 @pytest.mark.parametrize("heads,dim,n,lead", SHAPES)
