@@ -93,7 +93,8 @@ def test_multi_query_matches_per_query_naive_including_lse(heads, queries):
     sources = [torch.randn(3, 12, generator=g, dtype=dt).requires_grad_() for _ in range(4)]
     qs = torch.randn(queries, 12, generator=g, dtype=dt).requires_grad_()
     ks = (1 + 0.2 * torch.randn(queries, 12, generator=g, dtype=dt)).requires_grad_()
-    out, lse = depth_attention_multi(qs, sources, ks, heads=heads)
+    outs, lse = depth_attention_multi(qs, sources, ks, heads=heads)
+    out = torch.stack(outs)
     ref_out, ref_lse = [], []
     for s in range(queries):
         o, w = depth_attention_naive(qs[s], sources, ks[s], heads=heads, return_weights=True)
@@ -113,18 +114,53 @@ def test_multi_query_matches_per_query_naive_including_lse(heads, queries):
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_merge_partial_equals_routing_with_the_partial(score):
+def test_multi_query_with_an_unused_output(score):
+    """Each query has its own output: the gradient of the ones in use is exact, and an unused
+    one contributes nothing (no zero-filled gradient is materialized for it)."""
+    g = torch.Generator().manual_seed(7)
+    dt = torch.float64
+    sources = [torch.randn(2, 5, 12, generator=g, dtype=dt).requires_grad_() for _ in range(3)]
+    qs = torch.randn(3, 12, generator=g, dtype=dt).requires_grad_()
+    ks = (1 + 0.2 * torch.randn(3, 12, generator=g, dtype=dt)).requires_grad_()
+    outs, _ = depth_attention_multi(qs, sources, ks, heads=2, score=score)
+    refs = [depth_attention_naive(qs[s], sources, ks[s], heads=2, score=score) for s in range(3)]
+    cot = torch.randn(2, 5, 12, generator=g, dtype=dt)
+    inputs = [qs, ks, *sources]
+    used = [(outs[0], refs[0]), (outs[2], refs[2])]
+    fast = grads([o for o, _ in used], inputs, [cot, 2 * cot])
+    ref = grads([r for _, r in used], inputs, [cot, 2 * cot])
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+    assert fast[0][1].abs().max() == 0  # the unused query's row gets no gradient
+
+
+@pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
+def test_merge_partial_equals_routing_with_the_partial(score, key_norm):
     query, gain, sources = make(12, 4, (3, 2), torch.float64)
+    gain = gain if key_norm else None
     completed, partial = sources[:-1], sources[-1]
-    kw = dict(heads=3, score=score)
-    o1, lse1 = depth_attention_multi(query[None], completed, gain[None], **kw)
+    kw = dict(heads=3, score=score, key_norm=key_norm)
+    o1, lse1 = depth_attention_multi(query[None], completed, None if gain is None else gain[None], **kw)
     merged = merge_partial(o1[0], lse1[0], partial, query, gain, **kw)
     ref = depth_attention_naive(query, sources, gain, **kw)
     torch.testing.assert_close(merged, ref, atol=1e-12, rtol=1e-12)
     cot = torch.randn_like(ref)
-    inputs = [query, gain, *sources]
+    inputs = [query, *sources] + ([gain] if gain is not None else [])
     for a, b in zip(grads(merged, inputs, cot), grads(ref, inputs, cot)):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("heads,score", [(1, "softmax"), (3, "softmax"), (2, "sigmoid")])
+def test_merge_partial_gradcheck_fp64(heads, score):
+    g = torch.Generator().manual_seed(heads)
+    dt = torch.float64
+    o1, partial = (torch.randn(2, 3, 12, generator=g, dtype=dt).requires_grad_() for _ in range(2))
+    lse1 = torch.randn(2, 3, heads, generator=g, dtype=dt).requires_grad_(score == "softmax")
+    query, gain = torch.randn(12, generator=g, dtype=dt), 1 + 0.3 * torch.randn(12, generator=g, dtype=dt)
+    inputs = (o1, lse1, partial, query.requires_grad_(), gain.requires_grad_())
+    assert torch.autograd.gradcheck(
+        lambda *t: merge_partial(*t, heads=heads, score=score), inputs
+    )
 
 
 def drive(stream, e, weights):
@@ -141,10 +177,29 @@ def drive(stream, e, weights):
 @pytest.mark.parametrize("m,s,heads", [(7, 3, 1), (8, 4, 2), (6, 1, 3), (5, 5, 1), (9, 2, 6)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
 def test_two_phase_stream_matches_per_sublayer_naive(kind, m, s, heads, dtype, tol):
+    assert_stream_matches_naive(kind, dict(block_size=s, heads=heads), m, dtype, tol)
+
+
+@pytest.mark.parametrize("kind,options", [
+    ("block", dict(block_size=3, heads=2, two_phase=False)),
+    ("delta", dict(block_size=2, heads=3, two_phase=False)),
+    ("full", dict(heads=2)),
+    ("full", dict(heads=1, score="sigmoid")),
+])
+def test_per_read_torch_path_with_cached_key_stats_matches_naive(kind, options):
+    """Every source normalized once and read by many sublayers: the cached inverse RMS carries
+    the gradient of all of its reads."""
+    assert_stream_matches_naive(kind, options, 7, torch.float64, 1e-12)
+
+
+def assert_stream_matches_naive(kind, options, m, dtype, tol):
     dim = 12
-    g = torch.Generator().manual_seed(m * 10 + s)
-    fast = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads).to(dtype)
-    ref = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads, backend="naive", two_phase=False).to(dtype)
+    g = torch.Generator().manual_seed(m * 10 + options.get("block_size", 0))
+    fast = build_stream(kind, dim=dim, num_sublayers=m, **options).to(dtype)
+    ref_options = {k: v for k, v in options.items() if k != "two_phase"}
+    if kind != "full":
+        ref_options["two_phase"] = False
+    ref = build_stream(kind, dim=dim, num_sublayers=m, backend="naive", **ref_options).to(dtype)
     with torch.no_grad():  # off the zero init, so that every path carries signal
         for p in fast.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
@@ -175,11 +230,21 @@ def test_two_phase_is_used_and_reads_completed_blocks_once(monkeypatch):
         calls.append((queries.shape[0], len(sources)))
         return real(queries, sources, gains, **kw)
 
+    normalized = []
+    real_inverse_rms = mod.inverse_rms
+
+    def counting_inverse_rms(v, eps):
+        normalized.append(v)
+        return real_inverse_rms(v, eps)
+
     monkeypatch.setattr(mod, "multi_query_attention", counting)
+    monkeypatch.setattr(mod, "inverse_rms", counting_inverse_rms)
     stream = build_stream("block", dim=8, num_sublayers=7, block_size=3)
     drive(stream, torch.randn(2, 8), [torch.randn(8, 8) for _ in range(7)])
     # blocks open at sublayers 0, 3, 6; the last also holds the output query (virtual sublayer 7)
     assert calls == [(3, 1), (3, 2), (2, 3)]
+    # six visits of completed sources, but each of e, B_0, B_1 is normalized once
+    assert len(normalized) == 3
 
 
 def test_backend_errors_and_single_warning():

@@ -116,8 +116,8 @@ def test_full_stores_new_outputs_not_cumulative_sums():
     for i, v in enumerate(vs):
         stream.read(state, i)
         state = stream.write(state, i, v)
-    assert len(state) == M + 1
-    assert all(a is b for a, b in zip(state, [e] + vs))
+    assert len(state.sources) == M + 1
+    assert all(a is b for a, b in zip(state.sources, [e] + vs))
 
 
 @pytest.mark.parametrize("m,s", [(7, 3), (8, 4), (6, 1), (5, 5)])

@@ -8,7 +8,7 @@ from .depth_attention import (
     multi_query_attention,
     resolve_backend,
 )
-from .fused import depth_attention_multi
+from .fused import depth_attention_multi, inverse_rms
 from .naive import depth_attention_naive
 from .two_phase import merge_partial
 from .rmsnorm import RMSNorm, rms, rms_norm
@@ -25,6 +25,7 @@ __all__ = [
     "check_depth_inputs",
     "depth_attention",
     "depth_attention_naive",
+    "inverse_rms",
     "rms",
     "rms_norm",
     "sinkhorn",

@@ -73,15 +73,18 @@ def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: 
 
 
 def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-                          key_norm=True, backend="auto"):
-    """``S`` queries ``[S, D]`` against ``sources``: ``(out [S, ..., D], lse [S, ..., H])`` on the
-    chosen backend (``naive`` is not offered: the reference routes one query at a time)."""
+                          key_norm=True, backend="auto", inv_rms=None):
+    """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, one ``[..., D]`` per query
+    and ``[S, ..., H]``, on the chosen backend (``naive`` is not offered: the reference routes one query at a time).
+    ``inv_rms``: each source's cached ``inverse_rms`` (or None); the Triton kernels normalize
+    inside and do not need it."""
     chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm)
     if chosen == "triton":
         from .triton_kernels import depth_attention_multi_triton
 
         return depth_attention_multi_triton(queries, sources, gains, heads=heads, eps=eps)
-    return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm)
+    return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
+                                 inv_rms=inv_rms)
 
 
 def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
@@ -140,6 +143,7 @@ def depth_attention(
     score: str = "softmax",
     key_norm: bool = True,
     backend: str = "auto",
+    inv_rms: Sequence[torch.Tensor | None] | None = None,
 ):
     """Route over depth (SPEC sections 2 and 4).
 
@@ -158,6 +162,9 @@ def depth_attention(
             ``ops.triton_kernels``) or ``"auto"`` (Triton on CUDA, ``torch`` elsewhere; it alone
             falls back, warning once). Returning the weights materializes them, so
             ``return_weights=True`` computes them on the reference path.
+        inv_rms: optional per-source ``ops.inverse_rms`` ``[...]`` (entries may be None), so that
+            a source read by many sublayers is normalized once; used by the ``torch`` backend
+            (the others normalize inside, with the same result).
 
     Returns:
         ``[..., D]`` in the sources' dtype (math in fp32), and the weights if requested.
@@ -166,11 +173,11 @@ def depth_attention(
     chosen = resolve_backend(backend, device_type=sources[0].device.type, per_token_query=query.ndim > 1,
                              score=score, key_norm=key_norm)
     if chosen != "naive" and not return_weights:
-        out, _ = multi_query_attention(
+        outs, _ = multi_query_attention(
             query.unsqueeze(0), sources, None if gain is None else gain.unsqueeze(0),
-            heads=heads, eps=eps, score=score, key_norm=key_norm, backend=chosen,
+            heads=heads, eps=eps, score=score, key_norm=key_norm, backend=chosen, inv_rms=inv_rms,
         )
-        return out[0]
+        return outs[0]
     return depth_attention_naive(
         query, sources, gain, heads=heads, eps=eps, score=score, key_norm=key_norm,
         return_weights=return_weights,

@@ -5,18 +5,22 @@ queries of a block for the two-phase Block computation, SPEC section 3) against 
 that is never stacked. What it keeps for backward:
 
 - references to the sources (they live in the residual state anyway, so this costs nothing);
-- the output (the next op, the sublayer's pre-norm, keeps it too);
-- per-token fp32 statistics: the inverse RMS of every source ``[N, ...]``, the logits
-  ``[N, S, ..., H]`` and the log-sum-exp ``[S, ..., H]``; all of size ``O(N S H)`` per token
-  instead of the ``O(N D)`` stacked, normalized keys of the reference path.
+- the outputs (the next op, the sublayer's pre-norm or the merge, keeps them too);
+- per-token fp32 statistics: the logits ``[N, S, ..., H]``, the log-sum-exp ``[S, ..., H]`` and
+  the inverse RMS ``[N, ...]``; all of size ``O(N S H)`` per token instead of the ``O(N D)``
+  stacked, normalized keys of the reference path.
 
 The key-norm gain is folded into the query (``w . (k * RMSNorm(v)) = (w * k) . RMSNorm(v)``), so a
-source is normalized by one scalar per token, shared by all ``S`` queries and ``H`` heads, and
-the logits of all queries and heads come out of one matmul against a block-diagonal
-query matrix ``[S H, D]``. Forward sweeps the sources twice (logits, then the weighted sum); backward once.
+source is normalized by one scalar per token, its inverse RMS ``r = rsqrt(mean(v^2) + eps)``,
+shared by all ``S`` queries and ``H`` heads, and the logits of all queries and heads come out of
+one matmul against a block-diagonal query matrix ``[S H, D]``. A stream computes ``r`` once per
+source (``inverse_rms``) and hands it to every read of that source (SPEC section 11: normalize
+each source once).
 
-Shapes: queries ``[S, D]``, gains ``[S, D]`` or None, sources ``N x [..., D]``; returns
-``out`` ``[S, ..., D]`` (sources' dtype) and ``lse`` ``[S, ..., H]`` (fp32).
+Forward sweeps the sources twice (logits, then the weighted sum); backward once.
+
+Shapes: queries ``[S, D]``, gains ``[S, D]`` or None, sources ``N x [..., D]``, inverse RMS
+``N x [...]``; returns ``S x [..., D]`` (sources' dtype) and ``lse`` ``[S, ..., H]`` (fp32).
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the routing math runs in: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def head_matrix(qg: torch.Tensor, heads: int) -> torch.Tensor:
@@ -38,97 +47,116 @@ def head_matrix(qg: torch.Tensor, heads: int) -> torch.Tensor:
     return blocks.reshape(S * heads, D)
 
 
-def _logits(v, Qm, eps, key_norm, S, H):
-    """Logits ``[S, ..., H]`` and inverse RMS ``[...]`` (or None) of one source ``v`` ``[..., D]``."""
-    raw = F.linear(v, Qm).unflatten(-1, (S, H)).movedim(-2, 0)  # [S, ..., H]
-    if not key_norm:
-        return raw, None
-    d = v.shape[-1]
-    inv_rms = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / d + eps)  # [...]
-    return raw * inv_rms.unsqueeze(-1), inv_rms
+def inverse_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Inverse RMS of the keys, ``[..., D] -> [...]`` in the compute dtype:
+    ``rsqrt(mean(v^2) + eps)``, what the key norm multiplies a source by.
+
+    A cache of values, not a differentiable input: a stream computes it once per source and
+    passes it to every read of that source, and each read's backward differentiates through
+    the norm itself (in the same pass that reads ``v`` for the other terms)."""
+    with torch.no_grad():
+        vf = v.to(compute_dtype(v.dtype))
+        return torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1).square() / v.shape[-1] + eps)
 
 
 class DepthAttentionFunction(torch.autograd.Function):
+    """Inputs after the options: ``N`` sources, then ``N`` cached inverse RMS (or None, computed
+    here; used only when ``key_norm``). Outputs: one ``[..., D]`` tensor per query (so that
+    each gets its own gradient, and one the caller does not use costs nothing in backward),
+    then ``lse`` ``[S, ..., H]``.
+    """
+
     @staticmethod
-    def forward(ctx, queries, gains, heads, eps, score, key_norm, *sources):
+    def forward(ctx, queries, gains, heads, eps, score, key_norm, n, *tensors):
+        sources, cached = tensors[:n], tensors[n:]
         S, D = queries.shape
         H, dh = heads, D // heads
-        dt = torch.promote_types(sources[0].dtype, torch.float32)
+        dt = compute_dtype(sources[0].dtype)
+        lead = sources[0].shape[:-1]
         qg = queries.to(dt) if gains is None else queries.to(dt) * gains.to(dt)
         Qm = head_matrix(qg, H)
         logits, inv_rms = [], []
-        for v in sources:
-            s, r = _logits(v.to(dt), Qm, eps, key_norm, S, H)
-            logits.append(s)
-            inv_rms.append(r)
-        logits = torch.stack(logits)  # [N, S, ..., H]: small, O(N S H) per token
+        for v, r in zip(sources, cached):
+            raw = F.linear(v.to(dt), Qm)  # [..., S*H]
+            if key_norm:
+                r = inverse_rms(v, eps) if r is None else r.to(dt)
+                raw = raw * r.unsqueeze(-1)
+                inv_rms.append(r)
+            logits.append(raw)
+        logits = torch.stack(logits).unflatten(-1, (S, H)).movedim(-2, 1)  # [N, S, ..., H]
         if score == "softmax":
             lse = torch.logsumexp(logits, dim=0)  # [S, ..., H]
             weights = (logits - lse).exp_()
         else:
             lse = torch.zeros_like(logits[0])
             weights = torch.sigmoid(logits)
-        lead = sources[0].shape[:-1]
-        acc = torch.zeros((S, *lead, H, dh), dtype=dt, device=sources[0].device)
-        for w, v in zip(weights, sources):
-            acc.addcmul_(w.unsqueeze(-1), v.to(dt).view(*lead, H, dh))
-        out = acc.view(S, *lead, D).to(sources[0].dtype)
-        ctx.save_for_backward(queries, gains, out, lse, logits,
-                              torch.stack(inv_rms) if key_norm else None, *sources)
-        ctx.config = (H, eps, score, key_norm)
+        weights = weights.unsqueeze(-1)  # [N, S, ..., H, 1]
+        acc = weights[0] * sources[0].to(dt).view(*lead, H, dh)  # [S, ..., H, Dh]; no zero fill
+        for w, v in zip(weights[1:], sources[1:]):
+            acc.addcmul_(w, v.to(dt).view(*lead, H, dh))
+        outs = acc.view(S, *lead, D).to(sources[0].dtype).unbind(0)
+        inv_rms = torch.stack(inv_rms) if key_norm else None
+        ctx.save_for_backward(queries, gains, lse, logits, inv_rms, *outs, *sources)
+        ctx.config = (H, score, key_norm, n)
+        ctx.set_materialize_grads(False)
         if score != "softmax":
             ctx.mark_non_differentiable(lse)
-        return out, lse
+        return (*outs, lse)
 
     @staticmethod
-    def backward(ctx, g_out, g_lse):
-        queries, gains, out, lse, logits, inv_rms, *sources = ctx.saved_tensors
-        H, eps, score, key_norm = ctx.config
+    def backward(ctx, *grads):
+        queries, gains, lse, logits, inv_rms, *saved = ctx.saved_tensors
+        H, score, key_norm, n = ctx.config
         S, D = queries.shape
+        outs, sources = saved[:S], saved[S:]
+        g_outs, g_lse = grads[:S], grads[S]
         dh = D // H
         dt = logits.dtype
         lead = sources[0].shape[:-1]
         qg = queries.to(dt) if gains is None else queries.to(dt) * gains.to(dt)
-        Qm = head_matrix(qg, H)
-        g = torch.zeros((S, *lead, D), dtype=dt, device=out.device) if g_out is None else g_out.to(dt)
-        gh = g.view(S, *lead, H, dh)
+        qgh = qg.view(S, H, dh)
+        live = [s for s in range(S) if g_outs[s] is not None]  # queries whose output is used
+        gh = {s: g_outs[s].to(dt).view(*lead, H, dh) for s in live}
         if score == "softmax":
             # d logit_j = p_j * (g . v_j - g . out + g_lse), per query and head (softmax Jacobian)
-            centre = (gh * out.to(dt).view(S, *lead, H, dh)).sum(-1)  # [S, ..., H]
+            centre = torch.zeros_like(lse)
+            for s in live:
+                centre[s] = torch.linalg.vecdot(gh[s], outs[s].to(dt).view(*lead, H, dh))
             if g_lse is not None:
-                centre = centre - g_lse
-        need_src = ctx.needs_input_grad[6:]
+                centre -= g_lse
+        need_src = ctx.needs_input_grad[7:7 + n]
         need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
-        d_qg = torch.zeros(S * H, D, dtype=dt, device=out.device) if need_q else None
-        grads = []
+        d_qg = torch.zeros(S * H, D, dtype=dt, device=queries.device) if need_q else None
+        src_grads = [None] * n
         for j, v in enumerate(sources):
             if not (need_src[j] or need_q):
-                grads.append(None)
                 continue
             vf = v.to(dt)
-            s = logits[j]
-            if score == "softmax":
-                p = (s - lse).exp()
-            else:
-                p = torch.sigmoid(s)
-            gv = (gh * vf.view(*lead, H, dh)).sum(-1)  # [S, ..., H]
-            ds = p * (gv - centre) if score == "softmax" else p * (1 - p) * gv
+            vh = vf.view(*lead, H, dh)
+            s_j = logits[j]  # [S, ..., H]
+            p = (s_j - lse).exp() if score == "softmax" else torch.sigmoid(s_j)
+            gv = torch.zeros_like(p)  # g . v_j per query and head
+            for s in live:
+                gv[s] = torch.linalg.vecdot(gh[s], vh)
+            ds = (gv - centre).mul_(p) if score == "softmax" else gv.mul_(p * (1 - p))
             c = ds * inv_rms[j].unsqueeze(-1) if key_norm else ds  # d(raw logit), [S, ..., H]
-            c_flat = c.movedim(0, -2).flatten(-2)  # [..., S*H]
             if need_q:
-                # d qg[s, h-slice] = sum_tokens c[s, h] * v[h-slice]: the block diagonal of c^T v, [S*H, D]
-                d_qg += c_flat.reshape(-1, S * H).T @ vf.reshape(-1, D)
-            if need_src[j]:
-                dv = (c_flat @ Qm).view(*lead, H, dh)  # logit path through the raw dot product
-                for q in range(S):  # value path, fused multiply-adds
-                    dv.addcmul_(p[q].unsqueeze(-1), gh[q])
-                dv = dv.view(*lead, D)
-                if key_norm:  # logit path through the inverse RMS: d r / d v = -r^3 v / D
-                    coef = (ds * s).sum(dim=(0, -1)) * inv_rms[j].square() / D  # [...]
-                    dv.addcmul_(coef.unsqueeze(-1), vf, value=-1.0)
-                grads.append(dv.to(v.dtype))
-            else:
-                grads.append(None)
+                # d qg[s, h-slice] = sum_tokens c[s, h] * v[h-slice]: the block diagonal of c^T v
+                d_qg.addmm_(c.movedim(0, -2).reshape(-1, S * H).T, vf.reshape(-1, D))
+            if not need_src[j]:
+                continue
+            # logit path c[s] (x) qg[s] and value path p[s] g[s], per head: broadcast
+            # multiply-adds (a thin [tokens, S*H] @ [S*H, D] matmul is slower on CPU)
+            dv = c[0].unsqueeze(-1) * qgh[0]
+            for s in range(1, S):
+                dv.addcmul_(c[s].unsqueeze(-1), qgh[s])
+            for s in live:
+                dv.addcmul_(gh[s], p[s].unsqueeze(-1))
+            dv = dv.view(*lead, D)
+            if key_norm:  # logit = raw * r with d r / d v = -r^3 v / D
+                coef = (ds * s_j).sum(dim=(0, -1)).mul_(inv_rms[j].square()).div_(-D)  # [...]
+                dv.addcmul_(vf, coef.unsqueeze(-1))
+            src_grads[j] = dv.to(v.dtype)
         d_queries = d_gains = None
         if need_q:
             # keep each row's own head slice: [S, H, H', Dh] -> diagonal over (H, H')
@@ -137,7 +165,7 @@ class DepthAttentionFunction(torch.autograd.Function):
                 d_queries = (d_qg if gains is None else d_qg * gains.to(dt)).to(queries.dtype)
             if gains is not None and ctx.needs_input_grad[1]:
                 d_gains = (d_qg * queries.to(dt)).to(gains.dtype)
-        return (d_queries, d_gains, None, None, None, None, *grads)
+        return (d_queries, d_gains, None, None, None, None, None, *src_grads, *([None] * n))
 
 
 def depth_attention_multi(
@@ -149,11 +177,20 @@ def depth_attention_multi(
     eps: float = 1e-6,
     score: str = "softmax",
     key_norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``S`` queries ``[S, D]`` against ``sources``: ``(out [S, ..., D], lse [S, ..., H])``.
+    inv_rms: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, ``outs`` one ``[..., D]``
+    per query, ``lse`` ``[S, ..., H]``.
 
     ``lse`` is the log-sum-exp of each query's logits (zeros for the sigmoid score), which the
-    two-phase merge needs. Gradients flow to queries, gains and sources (``None`` where not
-    required, so frozen parameters cost nothing).
+    two-phase merge needs. ``inv_rms`` optionally gives each source's ``inverse_rms`` (entries
+    may be None; those are computed here), so that a source read many times is normalized once.
+    Gradients flow to queries, gains and sources (``None`` where not required, so frozen
+    parameters cost nothing).
     """
-    return DepthAttentionFunction.apply(queries, gains, heads, eps, score, key_norm, *sources)
+    n = len(sources)
+    cached = list(inv_rms) if inv_rms is not None and key_norm else [None] * n
+    if len(cached) != n:
+        raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
+    *outs, lse = DepthAttentionFunction.apply(queries, gains, heads, eps, score, key_norm, n, *sources, *cached)
+    return tuple(outs), lse

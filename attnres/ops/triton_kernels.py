@@ -284,11 +284,11 @@ def _fold(query, gain):
 
 
 def depth_attention_multi_triton(queries, sources, gains=None, *, heads=1, eps=1e-6):
-    """``(out [S, ..., D], lse [S, ..., H])``; see ``ops.fused.depth_attention_multi``."""
+    """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``; see ``ops.fused.depth_attention_multi``."""
     lead, D = sources[0].shape[:-1], sources[0].shape[-1]
     flat = [s.reshape(-1, D).contiguous() for s in sources]
     out, lse = depth_attention_fwd(_fold(queries, gains).float(), flat, heads, eps)
-    return out.view(queries.shape[0], *lead, D), lse.view(queries.shape[0], *lead, heads)
+    return out.view(queries.shape[0], *lead, D).unbind(0), lse.view(queries.shape[0], *lead, heads)
 
 
 def merge_partial_triton(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import depth_attention, merge, multi_query_attention
+from ..ops import depth_attention, inverse_rms, merge, multi_query_attention, resolve_backend
 from ..ops.depth_attention import BACKENDS, SCORES
 from .base import Stream, resolve_block_size
 
@@ -87,8 +87,18 @@ class DepthRoutingStream(Stream):
             names.add("key_gains")
         return names
 
-    def route(self, site: int, sources: list[torch.Tensor]) -> torch.Tensor:
-        """``sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site``."""
+    def key_stats(self, v: torch.Tensor) -> torch.Tensor | None:
+        """The inverse RMS ``[...]`` of a new source ``v``, computed once and shared by every read
+        of it (SPEC section 11: normalize each source once), or None where no read would use it
+        (no key norm, tracing, or a backend that normalizes inside its kernel)."""
+        if not self.key_norm or self.trace is not None:
+            return None
+        chosen = resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=True)
+        return inverse_rms(v, self.eps) if chosen == "torch" else None
+
+    def route(self, site: int, sources: list[torch.Tensor], stats: list | None = None) -> torch.Tensor:
+        """``sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site``; ``stats``
+        optionally holds each source's ``key_stats`` (None entries are computed on the way)."""
         query = self.pseudo_queries[site]
         if self.query_proj is not None:
             # input-dependent query from the latest source, per token: [..., D]
@@ -96,7 +106,7 @@ class DepthRoutingStream(Stream):
         gain = self.key_gains[site] if self.key_gains is not None else None
         kwargs = dict(self._routing_kwargs(), backend=self.backend)
         if self.trace is None:
-            return depth_attention(query, sources, gain, **kwargs)
+            return depth_attention(query, sources, gain, inv_rms=stats, **kwargs)
         mixed, weights = depth_attention(query, sources, gain, return_weights=True, **kwargs)
         self.trace.depth_weights[site] = weights.detach()
         if self.trace.keep_sources:
@@ -119,8 +129,16 @@ class DepthRoutingStream(Stream):
         )
 
 
+class FullState(NamedTuple):
+    """``sources``: ``(e, v_0, ..., v_{i-1})``; ``stats``: each source's ``key_stats`` (entries
+    None where no read uses them)."""
+
+    sources: tuple[torch.Tensor, ...]
+    stats: tuple[torch.Tensor | None, ...]
+
+
 class FullAttnResStream(DepthRoutingStream):
-    """Full AttnRes: the state is the tuple of sources ``(e, v_0, ..., v_{i-1})``."""
+    """Full AttnRes: the state holds every source ``(e, v_0, ..., v_{i-1})``."""
 
     kind = "full"
 
@@ -128,24 +146,26 @@ class FullAttnResStream(DepthRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def init(self, e: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (e,)
+    def init(self, e: torch.Tensor) -> FullState:
+        return FullState((e,), (self.key_stats(e),))
 
-    def read(self, sources: tuple[torch.Tensor, ...], i: int) -> torch.Tensor:
-        return self._finish_read(i, self.route(i, list(sources)))
+    def read(self, state: FullState, i: int) -> torch.Tensor:
+        return self._finish_read(i, self.route(i, list(state.sources), list(state.stats)))
 
-    def write(self, sources: tuple[torch.Tensor, ...], i: int, v: torch.Tensor):
-        return sources + (v,)
+    def write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
+        return FullState(state.sources + (v,), state.stats + (self.key_stats(v),))
 
-    def output(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self._finish_read(self.num_sublayers, self.route(self.num_sublayers, list(sources)))
+    def output(self, state: FullState) -> torch.Tensor:
+        site = self.num_sublayers
+        return self._finish_read(site, self.route(site, list(state.sources), list(state.stats)))
 
 
 class PhaseOne(NamedTuple):
     """Phase 1 of the current block: every query of the block (sites ``first_site ..``) scored
-    against the completed sources once. ``out`` ``[S', ..., D]``, ``lse`` ``[S', ..., H]``."""
+    against the completed sources once. ``out``: ``S'`` tensors ``[..., D]``; ``lse``
+    ``[S', ..., H]``."""
 
-    out: torch.Tensor
+    out: tuple[torch.Tensor, ...]
     lse: torch.Tensor
     first_site: int
 
@@ -153,11 +173,13 @@ class PhaseOne(NamedTuple):
 class BlockState(NamedTuple):
     """``blocks``: ``(e, B_0, ..., B_{n-1})``, the completed block sums after the embedding;
     ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty);
-    ``phase_one``: the current block's phase-1 result on the two-phase path (else None)."""
+    ``phase_one``: the current block's phase-1 result on the two-phase path (else None);
+    ``stats``: each completed block's ``key_stats`` (entries None where no read uses them)."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     phase_one: PhaseOne | None = None
+    stats: tuple[torch.Tensor | None, ...] = ()
 
 
 class BlockRoutingStream(DepthRoutingStream):
@@ -199,12 +221,20 @@ class BlockRoutingStream(DepthRoutingStream):
         """The sources fixed for the whole current block (``[e, B_0, ..., B_{n-1}]``)."""
         return list(state.blocks)
 
+    def completed_stats(self, state: BlockState) -> list[torch.Tensor | None]:
+        """``key_stats`` of ``completed_sources``, in the same order (None where not cached)."""
+        return list(state.stats) + [None] * (len(state.blocks) - len(state.stats))
+
     def sources(self, state: BlockState) -> list[torch.Tensor]:
         """Every source of the current read: the completed ones plus ``P_i`` when not empty."""
         sources = self.completed_sources(state)
         if state.partial is not None:
             sources.append(state.partial)
         return sources
+
+    def start(self, e: torch.Tensor) -> BlockState:
+        """The state before sublayer 0: ``e`` as the only completed source, its block open."""
+        return self._open_block(BlockState((e,), None, None, (self.key_stats(e),)), 0)
 
     def _uses_two_phase(self) -> bool:
         return self.two_phase and self.backend != "naive" and self.trace is None
@@ -216,7 +246,7 @@ class BlockRoutingStream(DepthRoutingStream):
         gains = None if self.key_gains is None else self.key_gains[first_site:last]
         out, lse = multi_query_attention(
             self.pseudo_queries[first_site:last], self.completed_sources(state), gains,
-            backend=self.backend, **self._routing_kwargs(),
+            backend=self.backend, inv_rms=self.completed_stats(state), **self._routing_kwargs(),
         )
         return state._replace(phase_one=PhaseOne(out, lse, first_site))
 
@@ -224,7 +254,8 @@ class BlockRoutingStream(DepthRoutingStream):
         """``h`` for ``site`` (a sublayer, or ``M`` for the output) before its norm."""
         ph = state.phase_one
         if ph is None or self.trace is not None:
-            return self.route(site, self.sources(state))
+            stats = self.completed_stats(state) + ([None] if state.partial is not None else [])
+            return self.route(site, self.sources(state), stats)
         o1 = ph.out[site - ph.first_site]
         if state.partial is None:  # first sublayer of a block: nothing to merge
             return o1
@@ -238,8 +269,9 @@ class BlockRoutingStream(DepthRoutingStream):
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
         if (i + 1) % self.block_size == 0:
-            return self._open_block(BlockState(state.blocks + (partial,), None), i + 1)
-        return BlockState(state.blocks, partial, state.phase_one)
+            closed = BlockState(state.blocks + (partial,), None, None, state.stats + (self.key_stats(partial),))
+            return self._open_block(closed, i + 1)
+        return state._replace(partial=partial)
 
     def extra_repr(self) -> str:
         return (
@@ -259,7 +291,7 @@ class BlockAttnResStream(BlockRoutingStream):
         self._make_norms()
 
     def init(self, e: torch.Tensor) -> BlockState:
-        return self._open_block(BlockState((e,), None), 0)
+        return self.start(e)
 
     def read(self, state: BlockState, i: int) -> torch.Tensor:
         return self._finish_read(i, self._route_block(i, state))

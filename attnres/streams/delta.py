@@ -51,8 +51,13 @@ class DeltaAttnResStream(BlockRoutingStream):
         e = state.blocks[0]
         return [self.null.to(e.dtype).expand_as(e), *state.blocks]
 
+    def completed_stats(self, state: BlockState) -> list[torch.Tensor | None]:
+        e = state.blocks[0]
+        null = self.key_stats(self.null.to(e.dtype))  # one number for every token
+        return [None if null is None else null.expand(e.shape[:-1]), *state.stats]
+
     def init(self, e: torch.Tensor) -> DeltaState:
-        return DeltaState(e, self._open_block(BlockState((e,), None), 0))
+        return DeltaState(e, self.start(e))
 
     def _read_site(self, site: int, state: DeltaState) -> torch.Tensor:
         routed = self._route_block(site, state.routed)
