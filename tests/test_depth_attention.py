@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from attnres.ops import depth_attention, rms_norm, sinkhorn
+from attnres.ops import RMSNorm, depth_attention, rms_norm, sinkhorn
+from attnres.ops.rmsnorm import RMSNormFunction
 
 EPS_TINY = 1e-12  # "eps -> 0" in SPEC's worked example
 
@@ -163,6 +164,27 @@ def test_rms_norm_matches_hf_order():
     xf = x.to(torch.float32)
     expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(rms_norm(x, w, 1e-6), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_module_is_rms_norm_with_a_leaner_backward(dtype):
+    """The module's own autograd op computes the same values, and the gradients autograd
+    derives for ``rms_norm`` (fp64 to the last digits; bf16 within its rounding)."""
+    norm = RMSNorm(16, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(16).to(dtype))
+    x = torch.randn(3, 4, 16, dtype=dtype, requires_grad=True)
+    assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-5))
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-5), (x64, w64))
+    cot = torch.randn(3, 4, 16, dtype=dtype)
+    fast = torch.autograd.grad(norm(x), [x, norm.weight], cot)
+    ref = torch.autograd.grad(rms_norm(x, norm.weight, 1e-5), [x, norm.weight], cot)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(fast, ref):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
 
 
 def test_sinkhorn_is_doubly_stochastic():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnres import build_stream
-from attnres.ops import depth_attention, depth_attention_multi, depth_attention_naive, merge_partial
+from attnres.ops import depth_attention, depth_attention_multi, depth_attention_naive, merge_norm, merge_partial, rms_norm
 
 SHAPES = [
     pytest.param(1, 6, 1, (5,), id="H1-D6-N1"),
@@ -161,6 +161,93 @@ def test_merge_partial_gradcheck_fp64(heads, score):
     assert torch.autograd.gradcheck(
         lambda *t: merge_partial(*t, heads=heads, score=score), inputs
     )
+
+
+def merge_inputs(dtype, heads, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    o1, partial = (torch.randn(2, 3, 12, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    lse1 = torch.randn(2, 3, heads, generator=g).requires_grad_()
+    query = (0.5 * torch.randn(12, generator=g)).to(dtype).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(12, generator=g)).to(dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(12, generator=g)).to(dtype).requires_grad_()
+    return o1, lse1, partial, query, gain, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_merge_norm_forward_is_the_norm_of_the_merge_bit_for_bit(dtype, score):
+    o1, lse1, partial, query, gain, weight = merge_inputs(dtype, heads=3)
+    kw = dict(heads=3, score=score)
+    fused = merge_norm(o1, lse1, partial, query, gain, weight, 1e-5, **kw)
+    separate = rms_norm(merge_partial(o1, lse1, partial, query, gain, **kw), weight, 1e-5)
+    assert fused.dtype == dtype and torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("heads,score", [(1, "softmax"), (3, "softmax"), (2, "sigmoid")])
+def test_merge_norm_gradients(heads, score):
+    inputs = tuple(t.detach().double().requires_grad_() for t in merge_inputs(torch.float32, heads))
+    kw = dict(heads=heads, score=score)
+    assert torch.autograd.gradcheck(lambda *t: merge_norm(*t, 1e-5, **kw), inputs)
+    fused = merge_norm(*inputs, 1e-5, **kw)
+    o1, lse1, partial, query, gain, weight = inputs
+    separate = rms_norm(merge_partial(o1, lse1, partial, query, gain, **kw), weight, 1e-5)
+    cot = torch.randn_like(fused)
+    for a, b in zip(grads(fused, inputs, cot), grads(separate, inputs, cot)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_phase_one_with_the_first_norm_fused_is_bit_for_bit(dtype, score):
+    query, gain, sources = make(12, 3, (2, 5), dtype)
+    weight = 1 + 0.3 * torch.randn(12).to(dtype)
+    qs, ks = torch.stack([query, -query]), torch.stack([gain, gain])
+    fused, _ = depth_attention_multi(qs, sources, ks, heads=2, score=score, norm=(weight, 1e-5))
+    plain, _ = depth_attention_multi(qs, sources, ks, heads=2, score=score)
+    assert torch.equal(fused[0], rms_norm(plain[0], weight, 1e-5)) and torch.equal(fused[1], plain[1])
+
+
+@pytest.mark.parametrize("heads,score", [(1, "softmax"), (3, "softmax"), (2, "sigmoid")])
+def test_phase_one_with_the_first_norm_fused_gradients(heads, score):
+    query, gain, sources = make(12, 3, (2, 3), torch.float64, seed=heads)
+    weight = (1 + 0.3 * torch.randn(12, dtype=torch.float64)).requires_grad_()
+    qs = torch.stack([query, -query]).detach().requires_grad_()
+    ks = torch.stack([gain, 2 * gain]).detach().requires_grad_()
+    inputs = (qs, ks, weight, *sources)
+    kw = dict(heads=heads, score=score)
+
+    def fused(q, k, w, *src):
+        outs, lse = depth_attention_multi(q, list(src), k, norm=(w, 1e-5), **kw)
+        return (*outs, lse) if score == "softmax" else outs
+
+    def separate(q, k, w, *src):
+        outs, lse = depth_attention_multi(q, list(src), k, **kw)
+        outs = (rms_norm(outs[0], w, 1e-5), *outs[1:])
+        return (*outs, lse) if score == "softmax" else outs
+
+    assert torch.autograd.gradcheck(fused, inputs)
+    a_out, b_out = fused(*inputs), separate(*inputs)
+    cots = [torch.randn_like(t) for t in a_out]
+    for a, b in zip(grads(a_out, inputs, cots), grads(b_out, inputs, cots)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_phase_one_outputs_beyond_the_first_are_freed_after_their_merge():
+    """The second query's phase-1 output lives only until its merge has run: neither phase 1
+    nor the merge keeps it for backward."""
+    import gc
+    import weakref
+
+    query, gain, sources = make(12, 4, (3, 2), torch.float32)
+    outs, lse = depth_attention_multi(torch.stack([query, 2 * query]), sources[:-1], torch.stack([gain, gain]))
+    probe = weakref.ref(outs[1])
+    merged = merge_norm(outs[1], lse[1], sources[-1], 2 * query, gain, None, 1e-6)
+    loss = (outs[0] ** 2).sum() + (merged ** 2).sum()
+    del outs
+    gc.collect()
+    assert probe() is None
+    loss.backward()  # and backward still has all it needs
+    assert all(s.grad is not None for s in sources) and query.grad is not None
 
 
 def drive(stream, e, weights):

@@ -5,12 +5,13 @@ from .depth_attention import (
     check_depth_inputs,
     depth_attention,
     merge,
+    merge_and_norm,
     multi_query_attention,
     resolve_backend,
 )
 from .fused import depth_attention_multi, inverse_rms
 from .naive import depth_attention_naive
-from .two_phase import merge_partial
+from .two_phase import merge_norm, merge_partial
 from .rmsnorm import RMSNorm, rms, rms_norm
 from .sinkhorn import sinkhorn
 
@@ -19,6 +20,8 @@ __all__ = [
     "RMSNorm",
     "depth_attention_multi",
     "merge",
+    "merge_and_norm",
+    "merge_norm",
     "merge_partial",
     "multi_query_attention",
     "resolve_backend",

@@ -14,7 +14,8 @@ import torch
 
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
-from .two_phase import merge_partial
+from .rmsnorm import rms_norm
+from .two_phase import merge_norm, merge_partial
 
 SCORES = ("softmax", "sigmoid")
 BACKENDS = ("auto", "torch", "naive", "triton")
@@ -73,18 +74,22 @@ def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: 
 
 
 def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-                          key_norm=True, backend="auto", inv_rms=None):
+                          key_norm=True, backend="auto", inv_rms=None, norm=None):
     """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, one ``[..., D]`` per query
     and ``[S, ..., H]``, on the chosen backend (``naive`` is not offered: the reference routes one query at a time).
     ``inv_rms``: each source's cached ``inverse_rms`` (or None); the Triton kernels normalize
-    inside and do not need it."""
+    inside and do not need it. ``norm = (weight, eps)``: return the first output through
+    ``rms_norm`` (fused on the ``torch`` backend)."""
     chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm)
     if chosen == "triton":
         from .triton_kernels import depth_attention_multi_triton
 
-        return depth_attention_multi_triton(queries, sources, gains, heads=heads, eps=eps)
+        outs, lse = depth_attention_multi_triton(queries, sources, gains, heads=heads, eps=eps)
+        if norm is not None:
+            outs = (rms_norm(outs[0], *norm), *outs[1:])
+        return outs, lse
     return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
-                                 inv_rms=inv_rms)
+                                 inv_rms=inv_rms, norm=norm)
 
 
 def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
@@ -96,6 +101,20 @@ def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="soft
 
         return merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
     return merge_partial(o1, lse1, partial, query, gain, heads=heads, eps=eps, score=score, key_norm=key_norm)
+
+
+def merge_and_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, *, heads=1, eps=1e-6,
+                   score="softmax", key_norm=True, backend="auto"):
+    """Phase 2 followed by the sublayer's pre-norm, ``rms_norm(merge(...), norm_weight, norm_eps)``;
+    one fused op on the ``torch`` backend (``ops.two_phase.merge_norm``)."""
+    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm)
+    if chosen == "triton":
+        from .triton_kernels import merge_partial_triton
+
+        h = merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
+        return rms_norm(h, norm_weight, norm_eps)
+    return merge_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, heads=heads, eps=eps,
+                      score=score, key_norm=key_norm)
 
 
 def check_depth_inputs(

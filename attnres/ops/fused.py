@@ -5,7 +5,9 @@ queries of a block for the two-phase Block computation, SPEC section 3) against 
 that is never stacked. What it keeps for backward:
 
 - references to the sources (they live in the residual state anyway, so this costs nothing);
-- the outputs (the next op, the sublayer's pre-norm or the merge, keeps them too);
+- the first query's output (its consumer, the sublayer's pre-norm, keeps it too); the other
+  queries' outputs feed two-phase merges and are not kept (backward recovers what it needs
+  from the sources);
 - per-token fp32 statistics: the logits ``[N, S, ..., H]``, the log-sum-exp ``[S, ..., H]`` and
   the inverse RMS ``[N, ...]``; all of size ``O(N S H)`` per token instead of the ``O(N D)``
   stacked, normalized keys of the reference path.
@@ -59,15 +61,29 @@ def inverse_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         return torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1).square() / v.shape[-1] + eps)
 
 
+def _weighted_sum(weights, sources, lead, H, dh):
+    """``sum_j weights[j] * sources[j]`` per head: weights ``[N, S, ..., H]`` -> ``[S, ..., H, Dh]``
+    in the weights' dtype (the first product allocates the accumulator: no zero fill)."""
+    weights = weights.unsqueeze(-1)
+    acc = weights[0] * sources[0].to(weights.dtype).view(*lead, H, dh)
+    for w, v in zip(weights[1:], sources[1:]):
+        acc.addcmul_(w, v.to(weights.dtype).view(*lead, H, dh))
+    return acc
+
+
 class DepthAttentionFunction(torch.autograd.Function):
     """Inputs after the options: ``N`` sources, then ``N`` cached inverse RMS (or None, computed
     here; used only when ``key_norm``). Outputs: one ``[..., D]`` tensor per query (so that
     each gets its own gradient, and one the caller does not use costs nothing in backward),
     then ``lse`` ``[S, ..., H]``.
+
+    With ``norm_eps`` set, the first output is returned through the sublayer's pre-norm,
+    ``rms_norm(out_0, norm_weight, norm_eps)``: then no output is kept at all, and backward
+    recomputes ``out_0`` with one more sweep over the sources.
     """
 
     @staticmethod
-    def forward(ctx, queries, gains, heads, eps, score, key_norm, n, *tensors):
+    def forward(ctx, queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *tensors):
         sources, cached = tensors[:n], tensors[n:]
         S, D = queries.shape
         H, dh = heads, D // heads
@@ -90,13 +106,20 @@ class DepthAttentionFunction(torch.autograd.Function):
         else:
             lse = torch.zeros_like(logits[0])
             weights = torch.sigmoid(logits)
-        weights = weights.unsqueeze(-1)  # [N, S, ..., H, 1]
-        acc = weights[0] * sources[0].to(dt).view(*lead, H, dh)  # [S, ..., H, Dh]; no zero fill
-        for w, v in zip(weights[1:], sources[1:]):
-            acc.addcmul_(w, v.to(dt).view(*lead, H, dh))
+        acc = _weighted_sum(weights, sources, lead, H, dh)  # [S, ..., H, Dh]
         outs = acc.view(S, *lead, D).to(sources[0].dtype).unbind(0)
         inv_rms = torch.stack(inv_rms) if key_norm else None
-        ctx.save_for_backward(queries, gains, lse, logits, inv_rms, *outs, *sources)
+        # At most the first output is kept, and only when its consumer (the pre-norm) keeps it
+        # anyway. The others feed two-phase merges, which do not keep them; backward recovers
+        # g . out from the sources.
+        kept, norm_rr = outs[0], None
+        if norm_eps is not None:
+            hf = outs[0].to(dt)
+            norm_rr = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+            y0 = (hf * norm_rr).to(outs[0].dtype)
+            outs = (y0 if norm_weight is None else norm_weight * y0, *outs[1:])
+            kept = None
+        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, inv_rms, kept, *sources)
         ctx.config = (H, score, key_norm, n)
         ctx.set_materialize_grads(False)
         if score != "softmax":
@@ -105,14 +128,41 @@ class DepthAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        queries, gains, lse, logits, inv_rms, *saved = ctx.saved_tensors
+        queries, gains, norm_weight, norm_rr, lse, logits, inv_rms, out0, *sources = ctx.saved_tensors
         H, score, key_norm, n = ctx.config
         S, D = queries.shape
-        outs, sources = saved[:S], saved[S:]
         g_outs, g_lse = grads[:S], grads[S]
         dh = D // H
         dt = logits.dtype
         lead = sources[0].shape[:-1]
+        # Queries whose output was not kept need g . out = sum_j p_j (g . v_j) before the softmax
+        # Jacobian can be applied, and a fused first norm needs out_0 itself: one first sweep over
+        # the sources computes both.
+        recompute = norm_rr is not None
+        unkept = [s for s in range(1, S) if g_outs[s] is not None] if score == "softmax" else []
+        gv_all = torch.zeros(n, *lse.shape, dtype=dt, device=lse.device) if unkept else None
+        acc0 = None
+        if recompute or unkept:
+            p0 = (logits[:, 0] - lse[0]).exp() if score == "softmax" else torch.sigmoid(logits[:, 0])
+            g_unkept = {s: g_outs[s].to(dt).view(*lead, H, dh) for s in unkept}
+            for j, v in enumerate(sources):
+                vh = v.to(dt).view(*lead, H, dh)
+                if recompute:  # the same products in the same order as forward: the same out_0
+                    acc0 = p0[j].unsqueeze(-1) * vh if acc0 is None else acc0.addcmul_(p0[j].unsqueeze(-1), vh)
+                for s in unkept:
+                    gv_all[j, s] = torch.linalg.vecdot(g_unkept[s], vh)
+        d_norm_weight = None
+        if recompute:  # the pre-norm's backward on the recomputed out_0
+            out0 = acc0.view(*lead, D).to(sources[0].dtype).to(dt)
+            if g_outs[0] is not None:
+                dy = g_outs[0]
+                xn = out0 * norm_rr  # y = weight * cast(out_0 * rr)
+                if norm_weight is not None and ctx.needs_input_grad[2]:
+                    d_norm_weight = (dy * xn.to(dy.dtype)).reshape(-1, D).sum(0).to(norm_weight.dtype)
+                dxn = (dy if norm_weight is None else dy * norm_weight).to(dt)
+                # rr = (mean(out_0^2) + eps)^-1/2: d out_0 = rr * (dxn - xn * mean(dxn * xn))
+                g0 = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(norm_rr)
+                g_outs = (g0, *g_outs[1:])
         qg = queries.to(dt) if gains is None else queries.to(dt) * gains.to(dt)
         qgh = qg.view(S, H, dh)
         live = [s for s in range(S) if g_outs[s] is not None]  # queries whose output is used
@@ -120,11 +170,13 @@ class DepthAttentionFunction(torch.autograd.Function):
         if score == "softmax":
             # d logit_j = p_j * (g . v_j - g . out + g_lse), per query and head (softmax Jacobian)
             centre = torch.zeros_like(lse)
-            for s in live:
-                centre[s] = torch.linalg.vecdot(gh[s], outs[s].to(dt).view(*lead, H, dh))
+            if 0 in live:
+                centre[0] = torch.linalg.vecdot(gh[0], out0.to(dt).view(*lead, H, dh))
+            if unkept:
+                centre[unkept] = ((logits[:, unkept] - lse[unkept]).exp() * gv_all[:, unkept]).sum(0)
             if g_lse is not None:
                 centre -= g_lse
-        need_src = ctx.needs_input_grad[7:7 + n]
+        need_src = ctx.needs_input_grad[9:9 + n]
         need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
         d_qg = torch.zeros(S * H, D, dtype=dt, device=queries.device) if need_q else None
         src_grads = [None] * n
@@ -135,9 +187,10 @@ class DepthAttentionFunction(torch.autograd.Function):
             vh = vf.view(*lead, H, dh)
             s_j = logits[j]  # [S, ..., H]
             p = (s_j - lse).exp() if score == "softmax" else torch.sigmoid(s_j)
-            gv = torch.zeros_like(p)  # g . v_j per query and head
+            gv = gv_all[j] if unkept else torch.zeros_like(p)  # g . v_j per query and head
             for s in live:
-                gv[s] = torch.linalg.vecdot(gh[s], vh)
+                if s not in unkept:
+                    gv[s] = torch.linalg.vecdot(gh[s], vh)
             ds = (gv - centre).mul_(p) if score == "softmax" else gv.mul_(p * (1 - p))
             c = ds * inv_rms[j].unsqueeze(-1) if key_norm else ds  # d(raw logit), [S, ..., H]
             if need_q:
@@ -165,7 +218,7 @@ class DepthAttentionFunction(torch.autograd.Function):
                 d_queries = (d_qg if gains is None else d_qg * gains.to(dt)).to(queries.dtype)
             if gains is not None and ctx.needs_input_grad[1]:
                 d_gains = (d_qg * queries.to(dt)).to(gains.dtype)
-        return (d_queries, d_gains, None, None, None, None, None, *src_grads, *([None] * n))
+        return (d_queries, d_gains, d_norm_weight, *([None] * 6), *src_grads, *([None] * n))
 
 
 def depth_attention_multi(
@@ -178,6 +231,7 @@ def depth_attention_multi(
     score: str = "softmax",
     key_norm: bool = True,
     inv_rms: Sequence[torch.Tensor | None] | None = None,
+    norm: tuple[torch.Tensor | None, float] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, ``outs`` one ``[..., D]``
     per query, ``lse`` ``[S, ..., H]``.
@@ -185,6 +239,8 @@ def depth_attention_multi(
     ``lse`` is the log-sum-exp of each query's logits (zeros for the sigmoid score), which the
     two-phase merge needs. ``inv_rms`` optionally gives each source's ``inverse_rms`` (entries
     may be None; those are computed here), so that a source read many times is normalized once.
+    ``norm = (weight, eps)`` returns the first query's output through ``rms_norm`` (the pre-norm
+    of the sublayer that reads it), fused so that nothing of it is kept for backward.
     Gradients flow to queries, gains and sources (``None`` where not required, so frozen
     parameters cost nothing).
     """
@@ -192,5 +248,7 @@ def depth_attention_multi(
     cached = list(inv_rms) if inv_rms is not None and key_norm else [None] * n
     if len(cached) != n:
         raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
-    *outs, lse = DepthAttentionFunction.apply(queries, gains, heads, eps, score, key_norm, n, *sources, *cached)
+    norm_weight, norm_eps = norm if norm is not None else (None, None)
+    *outs, lse = DepthAttentionFunction.apply(queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n,
+                                              *sources, *cached)
     return tuple(outs), lse

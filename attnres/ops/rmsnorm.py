@@ -20,13 +20,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return y if weight is None else weight * y
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` with a hand-written backward that keeps only ``x`` (which its producer keeps
+    anyway: for a pre-norm, the residual state) and one inverse RMS per token; the normalized
+    ``x`` that autograd would keep is recomputed. Forward computes exactly what ``rms_norm``
+    computes, in the same order."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        y = (xf * rr).to(x.dtype)
+        ctx.save_for_backward(x, weight, rr)
+        return y if weight is None else weight * y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rr = ctx.saved_tensors
+        xn = x.to(rr.dtype) * rr
+        d_weight = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dxn = (dy if weight is None else dy * weight).to(rr.dtype)
+        # y = x * rr with rr = (mean(x^2) + eps)^-1/2: dx = rr * (dxn - xn * mean(dxn * xn))
+        dx = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr)
+        return dx.to(x.dtype), d_weight, None
+
+
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square over the last dim, in fp32: ``[..., D] -> [...]``."""
     return x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1).sqrt()
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned gain ``weight`` ``[D]`` (init 1)."""
+    """RMSNorm with a learned gain ``weight`` ``[D]`` (init 1): ``rms_norm`` as one autograd op
+    (``RMSNormFunction``) that keeps less for backward."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -37,7 +65,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

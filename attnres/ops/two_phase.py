@@ -7,8 +7,14 @@ partial source ``P_i`` of sublayer ``i`` exactly::
     s2 = w_i . RMSNorm_{k_i}(P_i)                      (per head)
     h  = (exp(lse1) o1 + exp(s2) P) / (exp(lse1) + exp(s2)) = lerp(P, o1, sigmoid(lse1 - s2))
 
-The ``lerp`` form needs no max-shift. ``MergeFunction`` keeps nothing for backward beyond
-references to ``o1`` and ``P`` (which exist anyway) and three numbers per token and head.
+The ``lerp`` form needs no max-shift. Backward needs neither ``o1`` nor its normalizer: with
+``w = sigmoid(lse1 - s2)``, ``d(lse1 - s2) = w (1 - w) g . (o1 - P) = (1 - w) g . (h - P)``, so the
+merge keeps ``h`` (which its consumer keeps anyway), a reference to ``P`` and three numbers per
+token and head, and phase 1's ``o1`` is freed as soon as the merge has run.
+
+``merge_norm`` fuses the merge with the next sublayer's pre-norm (``rms_norm``, the HF order):
+it keeps ``h`` and recomputes the normalized ``h`` in backward, as ``RMSNorm`` does, so a merged
+read keeps one ``[..., D]`` tensor.
 """
 
 from __future__ import annotations
@@ -19,74 +25,125 @@ from torch.nn import functional as F
 from .fused import compute_dtype, head_matrix
 
 
+def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
+    """``h`` ``[..., D]`` (partial's dtype) and the per-head statistics ``s2, w, r``."""
+    dt = compute_dtype(partial.dtype)
+    lead, D = partial.shape[:-1], partial.shape[-1]
+    H, dh = heads, D // heads
+    P = partial.to(dt)
+    qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
+    s2 = F.linear(P, head_matrix(qg.unsqueeze(0), H))  # [..., H]
+    r = None
+    if key_norm:
+        r = torch.rsqrt(torch.linalg.vector_norm(P, dim=-1).square() / D + eps)  # [...]
+        s2 = s2 * r.unsqueeze(-1)
+    Ph = partial.view(*lead, H, dh)
+    o1h = o1.view(*lead, H, dh)
+    if score == "softmax":
+        w = torch.sigmoid(lse1.to(dt) - s2)  # weight of the completed sources, a / (a + b)
+        h = torch.lerp(Ph, o1h, w.unsqueeze(-1).to(partial.dtype))
+    else:  # unnormalized weights: the plain sum
+        w = torch.sigmoid(s2)  # weight of the partial
+        h = o1h + w.unsqueeze(-1).to(partial.dtype) * Ph
+    return h.view(*lead, D), s2, w, r
+
+
+def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm, needs):
+    """Gradients for ``(o1, lse1, partial, query, gain)`` (compute dtype) from ``g = dL/dh``
+    (compute dtype); ``needs`` says which are required."""
+    lead, D = partial.shape[:-1], partial.shape[-1]
+    H, dh = heads, D // heads
+    dt = w.dtype
+    gh = g.view(*lead, H, dh)
+    Ph = partial.to(dt).view(*lead, H, dh)
+    wd = w.unsqueeze(-1)
+    d_o1 = d_lse1 = d_partial = d_query = d_gain = None
+    if score == "softmax":
+        if needs[0]:
+            d_o1 = gh * wd
+        # w = sigmoid(z), z = lse1 - s2: dz = w (1 - w) g . (o1 - P) = (1 - w) g . (h - P)
+        gdiff = torch.linalg.vecdot(gh, h.to(dt).view(*lead, H, dh)) - torch.linalg.vecdot(gh, Ph)
+        dz = gdiff * (1 - w)
+        if needs[1]:
+            d_lse1 = dz
+        ds2 = -dz
+        dP = gh * (1 - wd) if needs[2] else None
+    else:
+        if needs[0]:
+            d_o1 = gh
+        ds2 = torch.linalg.vecdot(gh, Ph) * w * (1 - w)
+        dP = gh * wd if needs[2] else None
+    qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
+    c = ds2 * r.unsqueeze(-1) if key_norm else ds2  # d(raw logit), [..., H]
+    if dP is not None:
+        dP.addcmul_(c.unsqueeze(-1), qg.view(H, dh))
+        if key_norm:  # through the inverse RMS: d r / d P = -r^3 P / D
+            coef = (ds2 * s2).sum(-1) * r.square() / D  # [...]
+            dP.addcmul_(Ph, coef.view(*lead, 1, 1), value=-1.0)
+        d_partial = dP.view(*lead, D)
+    if needs[3] or (gain is not None and needs[4]):
+        d_qg = c.reshape(-1, H).T @ Ph.reshape(-1, D)  # [H, D]; keep each head's own slice
+        d_qg = d_qg.view(H, H, dh).diagonal().T.reshape(D)
+        if needs[3]:
+            d_query = d_qg if gain is None else d_qg * gain.to(dt)
+        if gain is not None and needs[4]:
+            d_gain = d_qg * query.to(dt)
+    return None if d_o1 is None else d_o1.reshape(*lead, D), d_lse1, d_partial, d_query, d_gain
+
+
+def _cast(grads, dtypes):
+    return tuple(None if g is None else g.to(d) for g, d in zip(grads, dtypes))
+
+
 class MergeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o1, lse1, partial, query, gain, heads, eps, score, key_norm):
-        dt = compute_dtype(partial.dtype)
-        lead, D = partial.shape[:-1], partial.shape[-1]
-        H, dh = heads, D // heads
-        P = partial.to(dt)
-        qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
-        s2 = F.linear(P, head_matrix(qg.unsqueeze(0), H))  # [..., H]
-        r = None
-        if key_norm:
-            r = torch.rsqrt(torch.linalg.vector_norm(P, dim=-1).square() / D + eps)  # [...]
-            s2 = s2 * r.unsqueeze(-1)
-        Ph = partial.view(*lead, H, dh)
-        o1h = o1.view(*lead, H, dh)
-        if score == "softmax":
-            w = torch.sigmoid(lse1.to(dt) - s2)  # weight of the completed sources, a / (a + b)
-            h = torch.lerp(Ph, o1h, w.unsqueeze(-1).to(partial.dtype))
-        else:  # unnormalized weights: the plain sum
-            w = torch.sigmoid(s2)  # weight of the partial
-            h = o1h + w.unsqueeze(-1).to(partial.dtype) * Ph
-        ctx.save_for_backward(o1, partial, query, gain, s2, w, r)
-        ctx.config = (H, score, key_norm)
-        return h.view(*lead, D)
+        h, s2, w, r = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)
+        ctx.save_for_backward(h, partial, query, gain, s2, w, r)
+        ctx.config = (heads, score, key_norm, (o1.dtype, lse1.dtype, partial.dtype, query.dtype,
+                                               None if gain is None else gain.dtype))
+        return h
 
     @staticmethod
     def backward(ctx, g):
-        o1, partial, query, gain, s2, w, r = ctx.saved_tensors
-        H, score, key_norm = ctx.config
-        lead, D = partial.shape[:-1], partial.shape[-1]
-        dh = D // H
-        dt = w.dtype
-        gh = g.to(dt).view(*lead, H, dh)
-        Ph = partial.to(dt).view(*lead, H, dh)
-        wd = w.unsqueeze(-1)
-        d_o1 = d_lse1 = None
-        if score == "softmax":
-            if ctx.needs_input_grad[0]:
-                d_o1 = (gh * wd).view(*lead, D).to(o1.dtype)
-            # d w = g . (o1 - P) per head; w = sigmoid(lse1 - s2)
-            dw = torch.linalg.vecdot(gh, o1.to(dt).view(*lead, H, dh)) - torch.linalg.vecdot(gh, Ph)
-            dz = dw * w * (1 - w)
-            if ctx.needs_input_grad[1]:
-                d_lse1 = dz
-            ds2 = -dz
-            dP = gh * (1 - wd)
-        else:
-            if ctx.needs_input_grad[0]:
-                d_o1 = g
-            ds2 = torch.linalg.vecdot(gh, Ph) * w * (1 - w)
-            dP = gh * wd
-        qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
-        c = ds2 * r.unsqueeze(-1) if key_norm else ds2  # d(raw logit), [..., H]
-        d_partial = d_query = d_gain = None
-        if ctx.needs_input_grad[2]:
-            dP.addcmul_(c.unsqueeze(-1), qg.view(H, dh))
-            if key_norm:  # through the inverse RMS: d r / d P = -r^3 P / D
-                coef = (ds2 * s2).sum(-1) * r.square() / D  # [...]
-                dP.addcmul_(Ph, coef.view(*lead, 1, 1), value=-1.0)
-            d_partial = dP.view(*lead, D).to(partial.dtype)
-        if ctx.needs_input_grad[3] or (gain is not None and ctx.needs_input_grad[4]):
-            d_qg = c.reshape(-1, H).T @ Ph.reshape(-1, D)  # [H, D]; keep each head's own slice
-            d_qg = d_qg.view(H, H, dh).diagonal().T.reshape(D)
-            if ctx.needs_input_grad[3]:
-                d_query = (d_qg if gain is None else d_qg * gain.to(dt)).to(query.dtype)
-            if gain is not None and ctx.needs_input_grad[4]:
-                d_gain = (d_qg * query.to(dt)).to(gain.dtype)
-        return d_o1, d_lse1, d_partial, d_query, d_gain, None, None, None, None
+        h, partial, query, gain, s2, w, r = ctx.saved_tensors
+        heads, score, key_norm, dtypes = ctx.config
+        grads = _merge_backward(g.to(w.dtype), h, partial, query, gain, s2, w, r, heads, score,
+                                key_norm, ctx.needs_input_grad)
+        return (*_cast(grads, dtypes), None, None, None, None)
+
+
+class MergeNormFunction(torch.autograd.Function):
+    """``rms_norm(merge_partial(...), weight, norm_eps)`` keeping ``h`` but not its normalized copy."""
+
+    @staticmethod
+    def forward(ctx, o1, lse1, partial, query, gain, weight, heads, eps, norm_eps, score, key_norm):
+        h, s2, w, r = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)
+        hf = h.to(compute_dtype(h.dtype))
+        rr = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+        y = (hf * rr).to(h.dtype)
+        if weight is not None:
+            y = weight * y
+        ctx.save_for_backward(h, rr, weight, partial, query, gain, s2, w, r)
+        ctx.config = (heads, score, key_norm, (o1.dtype, lse1.dtype, partial.dtype, query.dtype,
+                                               None if gain is None else gain.dtype))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, rr, weight, partial, query, gain, s2, w, r = ctx.saved_tensors
+        heads, score, key_norm, dtypes = ctx.config
+        dt = rr.dtype
+        xn = h.to(dt) * rr  # the normalized h, recomputed
+        d_weight = None
+        if weight is not None and ctx.needs_input_grad[5]:
+            d_weight = (dy * xn.to(h.dtype)).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        dxn = (dy * weight if weight is not None else dy).to(dt)
+        # y = h * rr with rr = (mean(h^2) + eps)^-1/2: dh = rr * (dxn - xn * mean(dxn * xn))
+        g = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr)
+        grads = _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm,
+                                ctx.needs_input_grad)
+        return (*_cast(grads, dtypes), d_weight, None, None, None, None, None)
 
 
 def merge_partial(
@@ -108,3 +165,23 @@ def merge_partial(
     weights are not normalized, so the merge is the plain sum ``o1 + sigmoid(s2) P``.
     """
     return MergeFunction.apply(o1, lse1, partial, query, gain, heads, eps, score, key_norm)
+
+
+def merge_norm(
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    *,
+    heads: int = 1,
+    eps: float = 1e-6,
+    score: str = "softmax",
+    key_norm: bool = True,
+) -> torch.Tensor:
+    """``rms_norm(merge_partial(o1, lse1, partial, query, gain, ...), norm_weight, norm_eps)``
+    as one op: the read of a merged sublayer including its pre-norm, ``[..., D]``."""
+    return MergeNormFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps,
+                                   score, key_norm)

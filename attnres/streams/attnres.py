@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import depth_attention, inverse_rms, merge, multi_query_attention, resolve_backend
+from ..ops import depth_attention, inverse_rms, merge, merge_and_norm, multi_query_attention, resolve_backend
 from ..ops.depth_attention import BACKENDS, SCORES
 from .base import Stream, resolve_block_size
 
@@ -116,11 +116,14 @@ class DepthRoutingStream(Stream):
     def _routing_kwargs(self) -> dict:
         return dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
 
+    def _site_norm(self, site: int) -> nn.Module:
+        """The pre-norm of sublayer ``site``, or the final norm for the output (``site == M``)."""
+        return self.final_norm if site == self.num_sublayers else self.norms[site]
+
     def _finish_read(self, site: int, h: torch.Tensor) -> torch.Tensor:
         """Record and apply the pre-norm of ``site`` (the final norm for the output)."""
         self._record_rms(site, h)
-        norm = self.final_norm if site == self.num_sublayers else self.norms[site]
-        return norm(h)
+        return self._site_norm(site)(h)
 
     def extra_repr(self) -> str:
         return (
@@ -239,14 +242,22 @@ class BlockRoutingStream(DepthRoutingStream):
     def _uses_two_phase(self) -> bool:
         return self.two_phase and self.backend != "naive" and self.trace is None
 
+    #: whether a read is the routed mix through the site's norm (Block), so that phase 1 can
+    #: return the block's first read already normalized; Delta adds its stream first
+    reads_are_normed_mixes = False
+
     def _open_block(self, state: BlockState, first_site: int) -> BlockState:
         if not self._uses_two_phase():
             return state
         last = min(first_site + self.block_size, self.num_sublayers + 1)
         gains = None if self.key_gains is None else self.key_gains[first_site:last]
+        norm = None
+        if self.reads_are_normed_mixes:
+            site_norm = self._site_norm(first_site)
+            norm = (site_norm.weight, site_norm.eps)
         out, lse = multi_query_attention(
             self.pseudo_queries[first_site:last], self.completed_sources(state), gains,
-            backend=self.backend, inv_rms=self.completed_stats(state), **self._routing_kwargs(),
+            backend=self.backend, inv_rms=self.completed_stats(state), norm=norm, **self._routing_kwargs(),
         )
         return state._replace(phase_one=PhaseOne(out, lse, first_site))
 
@@ -262,6 +273,22 @@ class BlockRoutingStream(DepthRoutingStream):
         gain = None if self.key_gains is None else self.key_gains[site]
         return merge(
             o1, ph.lse[site - ph.first_site], state.partial, self.pseudo_queries[site], gain,
+            backend=self.backend, **self._routing_kwargs(),
+        )
+
+    def _route_block_normed(self, site: int, state: BlockState) -> torch.Tensor:
+        """The read of ``site`` including its norm. On the two-phase path the norm is fused: a
+        block's first read comes normalized out of phase 1, a merged read out of ``merge_and_norm``."""
+        ph = state.phase_one
+        if ph is None or self.trace is not None:
+            return self._finish_read(site, self._route_block(site, state))
+        if state.partial is None:
+            return ph.out[site - ph.first_site]
+        norm = self._site_norm(site)
+        gain = None if self.key_gains is None else self.key_gains[site]
+        return merge_and_norm(
+            ph.out[site - ph.first_site], ph.lse[site - ph.first_site], state.partial,
+            self.pseudo_queries[site], gain, norm.weight, norm.eps,
             backend=self.backend, **self._routing_kwargs(),
         )
 
@@ -285,6 +312,7 @@ class BlockAttnResStream(BlockRoutingStream):
     (default 8, ``S = ceil(M / 8)``). ``S = 1`` is Full AttnRes."""
 
     kind = "block"
+    reads_are_normed_mixes = True
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
         super().__init__(dim, num_sublayers, eps, **options)
@@ -294,10 +322,10 @@ class BlockAttnResStream(BlockRoutingStream):
         return self.start(e)
 
     def read(self, state: BlockState, i: int) -> torch.Tensor:
-        return self._finish_read(i, self._route_block(i, state))
+        return self._route_block_normed(i, state)
 
     def write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         return self._advance(state, i, v)
 
     def output(self, state: BlockState) -> torch.Tensor:
-        return self._finish_read(self.num_sublayers, self._route_block(self.num_sublayers, state))
+        return self._route_block_normed(self.num_sublayers, state)
