@@ -14,7 +14,7 @@ import torch
 
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
-from .rmsnorm import rms_norm
+from .rmsnorm import RMSNormFunction
 from .two_phase import merge_norm, merge_partial
 
 SCORES = ("softmax", "sigmoid")
@@ -79,14 +79,14 @@ def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, sc
     and ``[S, ..., H]``, on the chosen backend (``naive`` is not offered: the reference routes one query at a time).
     ``inv_rms``: each source's cached ``inverse_rms`` (or None); the Triton kernels normalize
     inside and do not need it. ``norm = (weight, eps)``: return the first output through
-    ``rms_norm`` (fused on the ``torch`` backend)."""
+    ``rms_norm`` (fused into the op on the ``torch`` backend, applied after it on Triton)."""
     chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm)
     if chosen == "triton":
         from .triton_kernels import depth_attention_multi_triton
 
         outs, lse = depth_attention_multi_triton(queries, sources, gains, heads=heads, eps=eps)
         if norm is not None:
-            outs = (rms_norm(outs[0], *norm), *outs[1:])
+            outs = (RMSNormFunction.apply(outs[0], *norm), *outs[1:])
         return outs, lse
     return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
                                  inv_rms=inv_rms, norm=norm)
@@ -112,7 +112,7 @@ def merge_and_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, *, hea
         from .triton_kernels import merge_partial_triton
 
         h = merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
-        return rms_norm(h, norm_weight, norm_eps)
+        return RMSNormFunction.apply(h, norm_weight, norm_eps)
     return merge_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, heads=heads, eps=eps,
                       score=score, key_norm=key_norm)
 
