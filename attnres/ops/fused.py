@@ -19,7 +19,8 @@ one matmul against a block-diagonal query matrix ``[S H, D]``. A stream computes
 source (``inverse_rms``) and hands it to every read of that source (SPEC section 11: normalize
 each source once).
 
-Forward sweeps the sources twice (logits, then the weighted sum); backward once.
+Forward sweeps the sources twice (logits, then the weighted sum); backward once, plus one
+sweep when an output was not kept (to recompute ``out_0`` or recover ``g . out``).
 
 Shapes: queries ``[S, D]``, gains ``[S, D]`` or None, sources ``N x [..., D]``, inverse RMS
 ``N x [...]``; returns ``S x [..., D]`` (sources' dtype) and ``lse`` ``[S, ..., H]`` (fp32).
