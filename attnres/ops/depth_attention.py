@@ -76,7 +76,8 @@ def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: 
 def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
                           key_norm=True, backend="auto", inv_rms=None, norm=None):
     """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, one ``[..., D]`` per query
-    and ``[S, ..., H]``, on the chosen backend (``naive`` is not offered: the reference routes one query at a time).
+    and ``[S, ..., H]``, on the chosen backend (``naive`` is not offered: the reference routes
+    one query at a time).
     ``inv_rms``: each source's cached ``inverse_rms`` (or None); the Triton kernels normalize
     inside and do not need it. ``norm = (weight, eps)``: return the first output through
     ``rms_norm`` (fused into the op on the ``torch`` backend, applied after it on Triton)."""

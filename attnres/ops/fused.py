@@ -149,7 +149,8 @@ class DepthAttentionFunction(torch.autograd.Function):
             for j, v in enumerate(sources):
                 vh = v.to(dt).view(*lead, H, dh)
                 if recompute:  # the same products in the same order as forward: the same out_0
-                    acc0 = p0[j].unsqueeze(-1) * vh if acc0 is None else acc0.addcmul_(p0[j].unsqueeze(-1), vh)
+                    w0 = p0[j].unsqueeze(-1)
+                    acc0 = w0 * vh if acc0 is None else acc0.addcmul_(w0, vh)
                 for s in unkept:
                     gv_all[j, s] = torch.linalg.vecdot(g_unkept[s], vh)
         d_norm_weight = None
@@ -250,6 +251,7 @@ def depth_attention_multi(
     if len(cached) != n:
         raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
     norm_weight, norm_eps = norm if norm is not None else (None, None)
-    *outs, lse = DepthAttentionFunction.apply(queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n,
-                                              *sources, *cached)
+    *outs, lse = DepthAttentionFunction.apply(
+        queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached
+    )
     return tuple(outs), lse

@@ -194,12 +194,16 @@ class BlockRoutingStream(DepthRoutingStream):
 
     With ``two_phase=True`` (default) and a fast backend, each block's queries are scored
     against its completed sources once when the block opens (``init`` and the ``write`` that
-    closes the previous block); a read then only merges its partial sum (``ops.merge_partial``).
+    closes the previous block); a read then only merges its partial sum (``ops.merge_partial``,
+    or ``ops.merge_and_norm`` with the read's norm fused for Block).
     While tracing, with ``backend="naive"`` or with per-token queries, every read routes on its
     own (the reference path the two-phase path is tested against).
     """
 
     options = DepthRoutingStream.options + ("block_size", "num_blocks", "two_phase")
+    #: whether a read is the routed mix through the site's norm (Block), so that phase 1 can
+    #: return a block's first read already normalized; Delta adds its own stream first
+    reads_are_normed_mixes = False
 
     def __init__(
         self,
@@ -242,10 +246,6 @@ class BlockRoutingStream(DepthRoutingStream):
     def _uses_two_phase(self) -> bool:
         return self.two_phase and self.backend != "naive" and self.trace is None
 
-    #: whether a read is the routed mix through the site's norm (Block), so that phase 1 can
-    #: return the block's first read already normalized; Delta adds its stream first
-    reads_are_normed_mixes = False
-
     def _open_block(self, state: BlockState, first_site: int) -> BlockState:
         if not self._uses_two_phase():
             return state
@@ -282,7 +282,7 @@ class BlockRoutingStream(DepthRoutingStream):
         ph = state.phase_one
         if ph is None or self.trace is not None:
             return self._finish_read(site, self._route_block(site, state))
-        if state.partial is None:
+        if state.partial is None:  # the block's first read: normalized inside phase 1
             return ph.out[site - ph.first_site]
         norm = self._site_norm(site)
         gain = None if self.key_gains is None else self.key_gains[site]
