@@ -33,6 +33,8 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
+from .rmsnorm import rms_norm_backward, rms_norm_forward
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the routing math runs in: fp32, or fp64 for fp64 inputs."""
@@ -48,6 +50,25 @@ def head_matrix(qg: torch.Tensor, heads: int) -> torch.Tensor:
     eye = torch.eye(heads, dtype=qg.dtype, device=qg.device)
     blocks = qg.view(S, 1, heads, dh) * eye.view(1, heads, heads, 1)  # [S, H, H', Dh]
     return blocks.reshape(S * heads, D)
+
+
+def fold_gain(query: torch.Tensor, gain: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+    """``query * gain`` in ``dt`` (the key-norm gain folded into the query, ``[..., D]``)."""
+    return query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
+
+
+def query_grads(d_qg, query, gain, needs_query, needs_gain):
+    """Split ``d(query * gain)`` ``[S, H, H', Dh]`` (the block-diagonal ``c^T v`` of every
+    head against every slice) into ``(d_query, d_gain)`` ``[S, D]``, keeping each head's own
+    slice (the diagonal over ``(H, H')``); None where not needed."""
+    S, H, _, dh = d_qg.shape
+    d_qg = d_qg.diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(S, H * dh)
+    d_query = d_gain = None
+    if needs_query:
+        d_query = (d_qg if gain is None else d_qg * gain.to(d_qg.dtype)).to(query.dtype)
+    if gain is not None and needs_gain:
+        d_gain = (d_qg * query.to(d_qg.dtype)).to(gain.dtype)
+    return d_query, d_gain
 
 
 def inverse_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -90,8 +111,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         H, dh = heads, D // heads
         dt = compute_dtype(sources[0].dtype)
         lead = sources[0].shape[:-1]
-        qg = queries.to(dt) if gains is None else queries.to(dt) * gains.to(dt)
-        Qm = head_matrix(qg, H)
+        Qm = head_matrix(fold_gain(queries, gains, dt), H)
         logits, inv_rms = [], []
         for v, r in zip(sources, cached):
             raw = F.linear(v.to(dt), Qm)  # [..., S*H]
@@ -115,10 +135,8 @@ class DepthAttentionFunction(torch.autograd.Function):
         # g . out from the sources.
         kept, norm_rr = outs[0], None
         if norm_eps is not None:
-            hf = outs[0].to(dt)
-            norm_rr = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
-            y0 = (hf * norm_rr).to(outs[0].dtype)
-            outs = (y0 if norm_weight is None else norm_weight * y0, *outs[1:])
+            y0, norm_rr = rms_norm_forward(outs[0], norm_weight, norm_eps)
+            outs = (y0, *outs[1:])
             kept = None
         ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, inv_rms, kept, *sources)
         ctx.config = (H, score, key_norm, n)
@@ -136,46 +154,40 @@ class DepthAttentionFunction(torch.autograd.Function):
         dh = D // H
         dt = logits.dtype
         lead = sources[0].shape[:-1]
+        probs = (logits - lse).exp() if score == "softmax" else torch.sigmoid(logits)  # [N, S, ..., H]
+        live = [s for s in range(S) if g_outs[s] is not None]  # queries whose output is used
+        gh = {s: g_outs[s].to(dt).view(*lead, H, dh) for s in live if s > 0}
         # Queries whose output was not kept need g . out = sum_j p_j (g . v_j) before the softmax
         # Jacobian can be applied, and a fused first norm needs out_0 itself: one first sweep over
         # the sources computes both.
         recompute = norm_rr is not None
-        unkept = [s for s in range(1, S) if g_outs[s] is not None] if score == "softmax" else []
-        gv_all = torch.zeros(n, *lse.shape, dtype=dt, device=lse.device) if unkept else None
+        unkept = list(gh) if score == "softmax" else []
+        gv_all = torch.zeros_like(probs) if unkept else None  # g . v_j per source, query and head
         acc0 = None
         if recompute or unkept:
-            p0 = (logits[:, 0] - lse[0]).exp() if score == "softmax" else torch.sigmoid(logits[:, 0])
-            g_unkept = {s: g_outs[s].to(dt).view(*lead, H, dh) for s in unkept}
             for j, v in enumerate(sources):
                 vh = v.to(dt).view(*lead, H, dh)
                 if recompute:  # the same products in the same order as forward: the same out_0
-                    w0 = p0[j].unsqueeze(-1)
+                    w0 = probs[j, 0].unsqueeze(-1)
                     acc0 = w0 * vh if acc0 is None else acc0.addcmul_(w0, vh)
                 for s in unkept:
-                    gv_all[j, s] = torch.linalg.vecdot(g_unkept[s], vh)
+                    gv_all[j, s] = torch.linalg.vecdot(gh[s], vh)
         d_norm_weight = None
-        if recompute:  # the pre-norm's backward on the recomputed out_0
-            out0 = acc0.view(*lead, D).to(sources[0].dtype).to(dt)
-            if g_outs[0] is not None:
-                dy = g_outs[0]
-                xn = out0 * norm_rr  # y = weight * cast(out_0 * rr)
-                if norm_weight is not None and ctx.needs_input_grad[2]:
-                    d_norm_weight = (dy * xn.to(dy.dtype)).reshape(-1, D).sum(0).to(norm_weight.dtype)
-                dxn = (dy if norm_weight is None else dy * norm_weight).to(dt)
-                # rr = (mean(out_0^2) + eps)^-1/2: d out_0 = rr * (dxn - xn * mean(dxn * xn))
-                g0 = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(norm_rr)
-                g_outs = (g0, *g_outs[1:])
-        qg = queries.to(dt) if gains is None else queries.to(dt) * gains.to(dt)
-        qgh = qg.view(S, H, dh)
-        live = [s for s in range(S) if g_outs[s] is not None]  # queries whose output is used
-        gh = {s: g_outs[s].to(dt).view(*lead, H, dh) for s in live}
+        if recompute:
+            out0 = acc0.view(*lead, D).to(sources[0].dtype)
+        if 0 in live:
+            g0 = g_outs[0]
+            if recompute:  # the pre-norm's backward on the recomputed out_0
+                g0, d_norm_weight = rms_norm_backward(g0, out0, norm_weight, norm_rr, ctx.needs_input_grad[2])
+            gh[0] = g0.to(dt).view(*lead, H, dh)
+        qgh = fold_gain(queries, gains, dt).view(S, H, dh)
         if score == "softmax":
             # d logit_j = p_j * (g . v_j - g . out + g_lse), per query and head (softmax Jacobian)
             centre = torch.zeros_like(lse)
             if 0 in live:
                 centre[0] = torch.linalg.vecdot(gh[0], out0.to(dt).view(*lead, H, dh))
             if unkept:
-                centre[unkept] = ((logits[:, unkept] - lse[unkept]).exp() * gv_all[:, unkept]).sum(0)
+                centre[unkept] = (probs[:, unkept] * gv_all[:, unkept]).sum(0)
             if g_lse is not None:
                 centre -= g_lse
         need_src = ctx.needs_input_grad[9:9 + n]
@@ -187,8 +199,7 @@ class DepthAttentionFunction(torch.autograd.Function):
                 continue
             vf = v.to(dt)
             vh = vf.view(*lead, H, dh)
-            s_j = logits[j]  # [S, ..., H]
-            p = (s_j - lse).exp() if score == "softmax" else torch.sigmoid(s_j)
+            s_j, p = logits[j], probs[j]  # [S, ..., H]
             gv = gv_all[j] if unkept else torch.zeros_like(p)  # g . v_j per query and head
             for s in live:
                 if s not in unkept:
@@ -214,12 +225,7 @@ class DepthAttentionFunction(torch.autograd.Function):
             src_grads[j] = dv.to(v.dtype)
         d_queries = d_gains = None
         if need_q:
-            # keep each row's own head slice: [S, H, H', Dh] -> diagonal over (H, H')
-            d_qg = d_qg.view(S, H, H, dh).diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(S, D)
-            if ctx.needs_input_grad[0]:
-                d_queries = (d_qg if gains is None else d_qg * gains.to(dt)).to(queries.dtype)
-            if gains is not None and ctx.needs_input_grad[1]:
-                d_gains = (d_qg * queries.to(dt)).to(gains.dtype)
+            d_queries, d_gains = query_grads(d_qg.view(S, H, H, dh), queries, gains, *ctx.needs_input_grad[:2])
         return (d_queries, d_gains, d_norm_weight, *([None] * 6), *src_grads, *([None] * n))
 
 

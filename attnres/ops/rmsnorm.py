@@ -14,10 +14,28 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Normalize ``x`` ``[..., D]`` over its last dim; ``weight`` ``[D]`` is the gain (or None)."""
-    dtype = x.dtype
-    xf = x.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 stays fp64)
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return y if weight is None else weight * y
+    return rms_norm_forward(x, weight, eps)[0]
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """``(rms_norm(x, weight, eps), rr)`` with ``rr = rsqrt(mean(x^2) + eps)`` ``[..., 1]`` in fp32
+    (fp64 for fp64 input), what ``rms_norm_backward`` needs besides ``x``."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+    rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = (xf * rr).to(x.dtype)
+    return (y if weight is None else weight * y), rr
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rr: torch.Tensor,
+                      need_weight: bool = True):
+    """``(dx, d_weight)`` for ``y = weight * cast(x * rr)``: ``dx = rr * (dxn - xn * mean(dxn * xn))``
+    with ``xn = x * rr`` recomputed and ``dxn = dy * weight``; ``dx`` in ``rr``'s dtype."""
+    xn = x.to(rr.dtype) * rr
+    d_weight = None
+    if weight is not None and need_weight:
+        d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    dxn = (dy if weight is None else dy * weight).to(rr.dtype)
+    return (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr), d_weight
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -28,22 +46,14 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        y = (xf * rr).to(x.dtype)
+        y, rr = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rr)
-        return y if weight is None else weight * y
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rr = ctx.saved_tensors
-        xn = x.to(rr.dtype) * rr
-        d_weight = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        dxn = (dy if weight is None else dy * weight).to(rr.dtype)
-        # y = x * rr with rr = (mean(x^2) + eps)^-1/2: dx = rr * (dxn - xn * mean(dxn * xn))
-        dx = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr)
+        dx, d_weight = rms_norm_backward(dy, x, weight, rr, ctx.needs_input_grad[1])
         return dx.to(x.dtype), d_weight, None
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .fused import compute_dtype, head_matrix
+from .fused import compute_dtype, fold_gain, head_matrix, inverse_rms, query_grads
+from .rmsnorm import rms_norm_backward, rms_norm_forward
 
 
 def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
@@ -31,11 +32,10 @@ def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
     lead, D = partial.shape[:-1], partial.shape[-1]
     H, dh = heads, D // heads
     P = partial.to(dt)
-    qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
-    s2 = F.linear(P, head_matrix(qg.unsqueeze(0), H))  # [..., H]
+    s2 = F.linear(P, head_matrix(fold_gain(query, gain, dt).unsqueeze(0), H))  # [..., H]
     r = None
     if key_norm:
-        r = torch.rsqrt(torch.linalg.vector_norm(P, dim=-1).square() / D + eps)  # [...]
+        r = inverse_rms(P, eps)  # [...]
         s2 = s2 * r.unsqueeze(-1)
     Ph = partial.view(*lead, H, dh)
     o1h = o1.view(*lead, H, dh)
@@ -49,8 +49,8 @@ def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
 
 
 def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm, needs):
-    """Gradients for ``(o1, lse1, partial, query, gain)`` (compute dtype) from ``g = dL/dh``
-    (compute dtype); ``needs`` says which are required."""
+    """Gradients for ``(o1, lse1, partial, query, gain)`` from ``g = dL/dh`` (compute dtype; the
+    query and gain gradients come in their own dtypes); ``needs`` says which are required."""
     lead, D = partial.shape[:-1], partial.shape[-1]
     H, dh = heads, D // heads
     dt = w.dtype
@@ -73,7 +73,7 @@ def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm
             d_o1 = gh
         ds2 = torch.linalg.vecdot(gh, Ph) * w * (1 - w)
         dP = gh * wd if needs[2] else None
-    qg = query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
+    qg = fold_gain(query, gain, dt)
     c = ds2 * r.unsqueeze(-1) if key_norm else ds2  # d(raw logit), [..., H]
     if dP is not None:
         dP.addcmul_(c.unsqueeze(-1), qg.view(H, dh))
@@ -82,12 +82,10 @@ def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm
             dP.addcmul_(Ph, coef.view(*lead, 1, 1), value=-1.0)
         d_partial = dP.view(*lead, D)
     if needs[3] or (gain is not None and needs[4]):
-        d_qg = c.reshape(-1, H).T @ Ph.reshape(-1, D)  # [H, D]; keep each head's own slice
-        d_qg = d_qg.view(H, H, dh).diagonal().T.reshape(D)
-        if needs[3]:
-            d_query = d_qg if gain is None else d_qg * gain.to(dt)
-        if gain is not None and needs[4]:
-            d_gain = d_qg * query.to(dt)
+        d_qg = c.reshape(-1, H).T @ Ph.reshape(-1, D)  # [H, D]: every head against every slice
+        d_query, d_gain = query_grads(d_qg.view(1, H, H, dh), query[None], gain, needs[3], needs[4])
+        d_query = None if d_query is None else d_query[0]
+        d_gain = None if d_gain is None else d_gain[0]
     return None if d_o1 is None else d_o1.reshape(*lead, D), d_lse1, d_partial, d_query, d_gain
 
 
@@ -119,11 +117,7 @@ class MergeNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o1, lse1, partial, query, gain, weight, heads, eps, norm_eps, score, key_norm):
         h, s2, w, r = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)
-        hf = h.to(compute_dtype(h.dtype))
-        rr = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
-        y = (hf * rr).to(h.dtype)
-        if weight is not None:
-            y = weight * y
+        y, rr = rms_norm_forward(h, weight, norm_eps)
         ctx.save_for_backward(h, rr, weight, partial, query, gain, s2, w, r)
         ctx.config = (heads, score, key_norm, (o1.dtype, lse1.dtype, partial.dtype, query.dtype,
                                                None if gain is None else gain.dtype))
@@ -133,14 +127,7 @@ class MergeNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         h, rr, weight, partial, query, gain, s2, w, r = ctx.saved_tensors
         heads, score, key_norm, dtypes = ctx.config
-        dt = rr.dtype
-        xn = h.to(dt) * rr  # the normalized h, recomputed
-        d_weight = None
-        if weight is not None and ctx.needs_input_grad[5]:
-            d_weight = (dy * xn.to(h.dtype)).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
-        dxn = (dy * weight if weight is not None else dy).to(dt)
-        # y = h * rr with rr = (mean(h^2) + eps)^-1/2: dh = rr * (dxn - xn * mean(dxn * xn))
-        g = (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr)
+        g, d_weight = rms_norm_backward(dy, h, weight, rr, ctx.needs_input_grad[5])
         grads = _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm,
                                 ctx.needs_input_grad)
         return (*_cast(grads, dtypes), d_weight, None, None, None, None, None)
