@@ -232,6 +232,12 @@ def test_phase_one_with_the_first_norm_fused_gradients(heads, score):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
+def test_cached_key_statistics_must_match_the_sources():
+    query, gain, sources = make(12, 3, (4,), torch.float32)
+    with pytest.raises(ValueError, match="inv_rms has 1 entries for 3 sources"):
+        depth_attention_multi(query[None], sources, gain[None], inv_rms=[None])
+
+
 def test_phase_one_outputs_beyond_the_first_are_freed_after_their_merge():
     """The second query's phase-1 output lives only until its merge has run: neither phase 1
     nor the merge keeps it for backward."""
