@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from attnres import build_stream
-from attnres.ops import depth_attention, depth_attention_multi, depth_attention_naive, merge_norm, merge_partial, rms_norm
+from attnres.ops import (
+    depth_attention,
+    depth_attention_multi,
+    depth_attention_naive,
+    merge_norm,
+    merge_partial,
+    mix_scored,
+    rms_norm,
+    source_scores,
+)
 
 SHAPES = [
     pytest.param(1, 6, 1, (5,), id="H1-D6-N1"),
@@ -338,6 +347,88 @@ def test_two_phase_is_used_and_reads_completed_blocks_once(monkeypatch):
     assert calls == [(3, 1), (3, 2), (2, 3)]
     # six visits of completed sources, but each of e, B_0, B_1 is normalized once
     assert len(normalized) == 3
+
+
+@pytest.mark.parametrize("heads,score,key_norm", [
+    (1, "softmax", True), (4, "softmax", True), (2, "sigmoid", True), (3, "softmax", False),
+])
+def test_scored_mix_equals_multi_query(heads, score, key_norm):
+    """Each source scored once against all five queries, then two of them gathered: the same
+    outputs and log-sum-exp as phase 1 computing those two queries' logits itself."""
+    g = torch.Generator().manual_seed(heads)
+    dt = torch.float64
+    sources = [torch.randn(2, 3, 12, generator=g, dtype=dt) * (1 + j) for j in range(4)]
+    qs = torch.randn(5, 12, generator=g, dtype=dt)
+    ks = (1 + 0.2 * torch.randn(5, 12, generator=g, dtype=dt)) if key_norm else None
+    kw = dict(heads=heads, score=score, key_norm=key_norm)
+    scores = [source_scores(v, qs, ks, heads=heads, key_norm=key_norm) for v in sources]
+    assert scores[0].shape == (2, 3, 5, heads)
+    weight = 1 + 0.1 * torch.randn(12, generator=g, dtype=dt)
+    outs, lse = mix_scored([sc[..., 2:4, :] for sc in scores], sources, score=score, norm=(weight, 1e-5))
+    ref, ref_lse = depth_attention_multi(qs[2:4], sources, None if ks is None else ks[2:4], **kw)
+    torch.testing.assert_close(outs[0], rms_norm(ref[0], weight, 1e-5), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(outs[1], ref[1], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="3 score tensors for 4 sources"):
+        mix_scored(scores[:3], sources)
+
+
+@pytest.mark.parametrize("kind,m,options", [
+    ("block", 7, dict(block_size=3)),
+    ("block", 9, dict(block_size=2, heads=3)),
+    ("block", 6, dict(block_size=1, score="sigmoid")),
+    ("block", 5, dict(block_size=5, key_norm=False)),
+    ("delta", 7, dict(block_size=2, heads=2)),
+])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
+def test_inference_path_matches_naive(kind, m, options, dtype, tol):
+    """With autograd off, Block and Delta score each completed block once (the inference
+    path): every read and the output equal the per-sublayer reference."""
+    dim = 12
+    g = torch.Generator().manual_seed(m)
+    fast = build_stream(kind, dim=dim, num_sublayers=m, **options).to(dtype)
+    ref = build_stream(kind, dim=dim, num_sublayers=m, backend="naive", two_phase=False, **options).to(dtype)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
+    ref.load_state_dict(fast.state_dict())
+    weights = [torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5 for _ in range(m)]
+    e = torch.randn(2, 3, dim, generator=g, dtype=dtype)
+    with torch.no_grad():
+        state = fast.init(e)
+        routed = state.routed if kind == "delta" else state
+        assert len(routed.scores) == 1  # the inference path is taken
+        f_reads, f_out = drive(fast, e, weights)
+        r_reads, r_out = drive(ref, e, weights)
+    for a, b in zip(f_reads + [f_out], r_reads + [r_out]):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_inference_scores_each_source_once(monkeypatch):
+    import attnres.streams.attnres as mod
+
+    scored, phase_one = [], []
+    real_scores, real_multi = mod.source_scores, mod.multi_query_attention
+
+    def counting_scores(v, queries, gains=None, **kw):
+        scored.append(queries.shape[0])
+        return real_scores(v, queries, gains, **kw)
+
+    def counting_multi(queries, sources, gains=None, **kw):
+        phase_one.append(len(sources))
+        return real_multi(queries, sources, gains, **kw)
+
+    monkeypatch.setattr(mod, "source_scores", counting_scores)
+    monkeypatch.setattr(mod, "multi_query_attention", counting_multi)
+    stream = build_stream("block", dim=8, num_sublayers=7, block_size=3)
+    weights = [torch.randn(8, 8) for _ in range(7)]
+    with torch.no_grad():
+        drive(stream, torch.randn(2, 8), weights)
+    # e, B_0, B_1 scored once each, against every site from the block they open to the output
+    assert scored == [8, 5, 2] and phase_one == []
+    scored.clear()
+    drive(stream, torch.randn(2, 8), weights)  # autograd on: the differentiable phase 1
+    assert scored == [] and phase_one == [1, 2, 3]
 
 
 def test_backend_errors_and_single_warning():

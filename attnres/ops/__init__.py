@@ -11,6 +11,7 @@ from .depth_attention import (
 )
 from .fused import depth_attention_multi, inverse_rms
 from .naive import depth_attention_naive
+from .scored import mix_scored, source_scores
 from .two_phase import merge_norm, merge_partial
 from .rmsnorm import RMSNorm, rms, rms_norm
 from .sinkhorn import sinkhorn
@@ -23,6 +24,7 @@ __all__ = [
     "merge_and_norm",
     "merge_norm",
     "merge_partial",
+    "mix_scored",
     "multi_query_attention",
     "resolve_backend",
     "check_depth_inputs",
@@ -32,4 +34,5 @@ __all__ = [
     "rms",
     "rms_norm",
     "sinkhorn",
+    "source_scores",
 ]

@@ -83,14 +83,37 @@ def inverse_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         return torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1).square() / v.shape[-1] + eps)
 
 
-def _weighted_sum(weights, sources, lead, H, dh):
-    """``sum_j weights[j] * sources[j]`` per head: weights ``[N, S, ..., H]`` -> ``[S, ..., H, Dh]``
-    in the weights' dtype (the first product allocates the accumulator: no zero fill)."""
+def _weighted_sums(weights, sources, lead, H, dh):
+    """``out_s = sum_j weights[j, s] * sources[j]`` for every query ``s``: weights ``[N, S, ..., H]``
+    -> ``S x [..., H, Dh]`` in the weights' dtype.
+
+    One accumulator per query, visited source by source (each source is converted once): a
+    single ``[S, ..., D]`` accumulator is no faster to update and falls out of cache for
+    ``S > 1``. The first product allocates each accumulator (no zero fill)."""
     weights = weights.unsqueeze(-1)
-    acc = weights[0] * sources[0].to(weights.dtype).view(*lead, H, dh)
-    for w, v in zip(weights[1:], sources[1:]):
-        acc.addcmul_(w, v.to(weights.dtype).view(*lead, H, dh))
-    return acc
+    accs = []
+    for j, v in enumerate(sources):
+        vh = v.to(weights.dtype).view(*lead, H, dh)
+        for s in range(weights.shape[1]):
+            if j == 0:
+                accs.append(weights[0, s] * vh)
+            else:
+                accs[s].addcmul_(weights[j, s], vh)
+    return accs
+
+
+def mix_logits(logits, sources, score, lead, H, dh):
+    """``(outs, lse)`` from the logits ``[N, S, ..., H]``: the depth softmax (or the
+    sigmoid ablation, with ``lse`` zero) and one ``[..., D]`` output per query in the sources' dtype."""
+    if score == "softmax":
+        lse = torch.logsumexp(logits, dim=0)  # [S, ..., H]
+        weights = (logits - lse).exp_()
+    else:
+        lse = torch.zeros_like(logits[0])
+        weights = torch.sigmoid(logits)
+    accs = _weighted_sums(weights, sources, lead, H, dh)
+    outs = tuple(acc.view(*lead, H * dh).to(sources[0].dtype) for acc in accs)
+    return outs, lse
 
 
 class DepthAttentionFunction(torch.autograd.Function):
@@ -121,14 +144,7 @@ class DepthAttentionFunction(torch.autograd.Function):
                 inv_rms.append(r)
             logits.append(raw)
         logits = torch.stack(logits).unflatten(-1, (S, H)).movedim(-2, 1)  # [N, S, ..., H]
-        if score == "softmax":
-            lse = torch.logsumexp(logits, dim=0)  # [S, ..., H]
-            weights = (logits - lse).exp_()
-        else:
-            lse = torch.zeros_like(logits[0])
-            weights = torch.sigmoid(logits)
-        acc = _weighted_sum(weights, sources, lead, H, dh)  # [S, ..., H, Dh]
-        outs = acc.view(S, *lead, D).to(sources[0].dtype).unbind(0)
+        outs, lse = mix_logits(logits, sources, score, lead, H, dh)
         inv_rms = torch.stack(inv_rms) if key_norm else None
         # At most the first output is kept, and only when its consumer (the pre-norm) keeps it
         # anyway. The others feed two-phase merges, which do not keep them; backward recovers

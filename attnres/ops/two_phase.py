@@ -151,6 +151,8 @@ def merge_partial(
     ``gain`` ``[D]``. Returns ``h`` ``[..., D]`` in ``partial``'s dtype. With the sigmoid score the
     weights are not normalized, so the merge is the plain sum ``o1 + sigmoid(s2) P``.
     """
+    if not torch.is_grad_enabled():  # inference: no autograd node, nothing kept
+        return _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)[0]
     return MergeFunction.apply(o1, lse1, partial, query, gain, heads, eps, score, key_norm)
 
 
@@ -170,5 +172,8 @@ def merge_norm(
 ) -> torch.Tensor:
     """``rms_norm(merge_partial(o1, lse1, partial, query, gain, ...), norm_weight, norm_eps)``
     as one op: the read of a merged sublayer including its pre-norm, ``[..., D]``."""
+    if not torch.is_grad_enabled():
+        h = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)[0]
+        return rms_norm_forward(h, norm_weight, norm_eps)[0]
     return MergeNormFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps,
                                    score, key_norm)

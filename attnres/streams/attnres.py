@@ -20,7 +20,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import depth_attention, inverse_rms, merge, merge_and_norm, multi_query_attention, resolve_backend
+from ..ops import (
+    depth_attention,
+    inverse_rms,
+    merge,
+    merge_and_norm,
+    mix_scored,
+    multi_query_attention,
+    resolve_backend,
+    source_scores,
+)
 from ..ops.depth_attention import BACKENDS, SCORES
 from .base import Stream, resolve_block_size
 
@@ -95,6 +104,18 @@ class DepthRoutingStream(Stream):
             return None
         chosen = resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=True)
         return inverse_rms(v, self.eps) if chosen == "torch" else None
+
+    def scores_ahead(self, v: torch.Tensor, first_site: int, stats: torch.Tensor | None) -> torch.Tensor | None:
+        """On the inference path (autograd off, ``torch`` backend, not tracing): the logits
+        ``[..., M + 1 - first_site, H]`` of a new source ``v`` for every site from
+        ``first_site`` on, computed once (``ops.source_scores``); otherwise None."""
+        if torch.is_grad_enabled() or self.trace is not None or self.query_proj is not None:
+            return None
+        if resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=self.key_norm) != "torch":
+            return None
+        gains = None if self.key_gains is None else self.key_gains[first_site:]
+        return source_scores(v, self.pseudo_queries[first_site:], gains, heads=self.heads, eps=self.eps,
+                             key_norm=self.key_norm, inv_rms=stats)
 
     def route(self, site: int, sources: list[torch.Tensor], stats: list | None = None) -> torch.Tensor:
         """``sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site``; ``stats``
@@ -177,12 +198,14 @@ class BlockState(NamedTuple):
     """``blocks``: ``(e, B_0, ..., B_{n-1})``, the completed block sums after the embedding;
     ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty);
     ``phase_one``: the current block's phase-1 result on the two-phase path (else None);
-    ``stats``: each completed block's ``key_stats`` (entries None where no read uses them)."""
+    ``stats``: each completed block's ``key_stats`` (entries None where no read uses them);
+    ``scores``: on the inference path, each completed block's ``scores_ahead`` (else empty)."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     phase_one: PhaseOne | None = None
     stats: tuple[torch.Tensor | None, ...] = ()
+    scores: tuple[torch.Tensor, ...] = ()
 
 
 class BlockRoutingStream(DepthRoutingStream):
@@ -232,6 +255,10 @@ class BlockRoutingStream(DepthRoutingStream):
         """``key_stats`` of ``completed_sources``, in the same order (None where not cached)."""
         return list(state.stats) + [None] * (len(state.blocks) - len(state.stats))
 
+    def completed_scores(self, state: BlockState) -> list[torch.Tensor]:
+        """``scores_ahead`` of ``completed_sources``, in the same order (empty off the inference path)."""
+        return list(state.scores)
+
     def sources(self, state: BlockState) -> list[torch.Tensor]:
         """Every source of the current read: the completed ones plus ``P_i`` when not empty."""
         sources = self.completed_sources(state)
@@ -241,7 +268,14 @@ class BlockRoutingStream(DepthRoutingStream):
 
     def start(self, e: torch.Tensor) -> BlockState:
         """The state before sublayer 0: ``e`` as the only completed source, its block open."""
-        return self._open_block(BlockState((e,), None, None, (self.key_stats(e),)), 0)
+        return self._open_block(self._closed((), (), (), e, 0), 0)
+
+    def _closed(self, blocks, stats, scores, source, first_site) -> BlockState:
+        """The state with ``source`` added to the completed sources, before ``first_site``."""
+        r = self.key_stats(source)
+        ahead = self.scores_ahead(source, first_site, r)
+        scores = scores + (ahead,) if ahead is not None and len(scores) == len(blocks) else ()
+        return BlockState(blocks + (source,), None, None, stats + (r,), scores)
 
     def _uses_two_phase(self) -> bool:
         return self.two_phase and self.backend != "naive" and self.trace is None
@@ -255,10 +289,16 @@ class BlockRoutingStream(DepthRoutingStream):
         if self.reads_are_normed_mixes:
             site_norm = self._site_norm(first_site)
             norm = (site_norm.weight, site_norm.eps)
-        out, lse = multi_query_attention(
-            self.pseudo_queries[first_site:last], self.completed_sources(state), gains,
-            backend=self.backend, inv_rms=self.completed_stats(state), norm=norm, **self._routing_kwargs(),
-        )
+        sources, scores = self.completed_sources(state), self.completed_scores(state)
+        if scores and len(scores) == len(sources):  # inference: every logit is already computed
+            end = self.num_sublayers + 1  # each source's scores run from its first reader to M
+            rows = [s[..., first_site - end:last - end or None, :] for s in scores]
+            out, lse = mix_scored(rows, sources, score=self.score, norm=norm)
+        else:
+            out, lse = multi_query_attention(
+                self.pseudo_queries[first_site:last], sources, gains,
+                backend=self.backend, inv_rms=self.completed_stats(state), norm=norm, **self._routing_kwargs(),
+            )
         return state._replace(phase_one=PhaseOne(out, lse, first_site))
 
     def _route_block(self, site: int, state: BlockState) -> torch.Tensor:
@@ -296,7 +336,7 @@ class BlockRoutingStream(DepthRoutingStream):
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
         if (i + 1) % self.block_size == 0:
-            closed = BlockState(state.blocks + (partial,), None, None, state.stats + (self.key_stats(partial),))
+            closed = self._closed(state.blocks, state.stats, state.scores, partial, i + 1)
             return self._open_block(closed, i + 1)
         return state._replace(partial=partial)
 

@@ -56,6 +56,12 @@ class DeltaAttnResStream(BlockRoutingStream):
         null = self.key_stats(self.null.to(e.dtype))  # one number for every token
         return [None if null is None else null.expand(e.shape[:-1]), *state.stats]
 
+    def completed_scores(self, state: BlockState) -> list[torch.Tensor]:
+        if not state.scores:
+            return []
+        null = self.scores_ahead(self.null.to(state.blocks[0].dtype), 0, None)  # [M + 1, H], every token
+        return [] if null is None else [null, *state.scores]
+
     def init(self, e: torch.Tensor) -> DeltaState:
         return DeltaState(e, self.start(e))
 

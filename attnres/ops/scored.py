@@ -1,0 +1,80 @@
+"""Depth attention for inference: each source scored once against every later query.
+
+A source's logit for a query does not depend on the other sources, so without autograd a stream
+can score each new source against all the sites that will ever read it, in one matmul, the
+moment the source exists; a read then only gathers its column of every source's scores::
+
+    scores_j = source_scores(v_j, queries[first:], gains[first:])      # [..., K, H]
+    outs, lse = mix_scored([scores_j[..., rows, :] for j], sources)    # softmax over j, sum
+
+For Block AttnRes this turns the ``O(N^2)`` thin per-block logit matmuls of a prefill into
+``N`` wider ones (one per completed block). The weighted sums are the same as in the autograd
+op (``ops.fused``), and so are the results up to the rounding of the wider matmul.
+
+No gradients flow through these functions: streams use them only with autograd off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as F
+
+from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits
+from .rmsnorm import rms_norm_forward
+
+
+@torch.no_grad()
+def source_scores(
+    v: torch.Tensor,
+    queries: torch.Tensor,
+    gains: torch.Tensor | None = None,
+    *,
+    heads: int = 1,
+    eps: float = 1e-6,
+    key_norm: bool = True,
+    inv_rms: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits ``[..., K, H]`` (compute dtype) of one source ``v`` ``[..., D]`` for ``K`` queries
+    ``[K, D]`` with key-norm gains ``[K, D]`` (or None), per head:
+    ``s[k, h] = (q_k * g_k)[h] . (v * rsqrt(mean(v^2) + eps))[h]``.
+
+    ``inv_rms`` ``[...]`` is the source's cached ``inverse_rms`` (computed here when None)."""
+    dt = compute_dtype(v.dtype)
+    K, D = queries.shape
+    qg = fold_gain(queries, gains, dt)
+    vf = v.to(dt)
+    if heads == 1:
+        raw = F.linear(vf, qg).unsqueeze(-1)  # [..., K, 1]
+    else:  # per head: no block-diagonal matrix (H times the work of the needed products)
+        vh = vf.unflatten(-1, (heads, D // heads))
+        raw = torch.einsum("...hd,khd->...kh", vh, qg.view(K, heads, D // heads))
+    if not key_norm:
+        return raw
+    r = inverse_rms(v, eps) if inv_rms is None else inv_rms.to(dt)
+    return raw * r[..., None, None]
+
+
+@torch.no_grad()
+def mix_scored(
+    scores: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    *,
+    score: str = "softmax",
+    norm: tuple[torch.Tensor | None, float] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``S`` queries against ``sources`` from precomputed logits: ``(outs, lse)`` as
+    ``depth_attention_multi`` returns them, ``S x [..., D]`` and ``[S, ..., H]``.
+
+    ``scores[j]`` ``[..., S, H]`` holds source ``j``'s logits for the ``S`` queries
+    (``source_scores``). ``norm = (weight, eps)`` returns the first output through ``rms_norm``."""
+    if len(scores) != len(sources):
+        raise ValueError(f"{len(scores)} score tensors for {len(sources)} sources")
+    lead, D = sources[0].shape[:-1], sources[0].shape[-1]
+    S, H = scores[0].shape[-2:]
+    logits = torch.stack([s.expand(*lead, S, H) for s in scores]).movedim(-2, 1)  # [N, S, ..., H]
+    outs, lse = mix_logits(logits, sources, score, lead, H, D // H)
+    if norm is not None:
+        outs = (rms_norm_forward(outs[0], *norm)[0], *outs[1:])
+    return outs, lse
