@@ -349,20 +349,25 @@ def test_two_phase_is_used_and_reads_completed_blocks_once(monkeypatch):
     assert len(normalized) == 3
 
 
+# a few tokens (decoding: stacked weighted sums) and more than FEW_TOKENS (one op per source)
+TOKENS = [pytest.param((2, 3), id="6-tokens"), pytest.param((1, 70), id="70-tokens")]
+
+
+@pytest.mark.parametrize("lead", TOKENS)
 @pytest.mark.parametrize("heads,score,key_norm", [
     (1, "softmax", True), (4, "softmax", True), (2, "sigmoid", True), (3, "softmax", False),
 ])
-def test_scored_mix_equals_multi_query(heads, score, key_norm):
+def test_scored_mix_equals_multi_query(heads, score, key_norm, lead):
     """Each source scored once against all five queries, then two of them gathered: the same
     outputs and log-sum-exp as phase 1 computing those two queries' logits itself."""
     g = torch.Generator().manual_seed(heads)
     dt = torch.float64
-    sources = [torch.randn(2, 3, 12, generator=g, dtype=dt) * (1 + j) for j in range(4)]
+    sources = [torch.randn(*lead, 12, generator=g, dtype=dt) * (1 + j) for j in range(4)]
     qs = torch.randn(5, 12, generator=g, dtype=dt)
     ks = (1 + 0.2 * torch.randn(5, 12, generator=g, dtype=dt)) if key_norm else None
     kw = dict(heads=heads, score=score, key_norm=key_norm)
     scores = [source_scores(v, qs, ks, heads=heads, key_norm=key_norm) for v in sources]
-    assert scores[0].shape == (2, 3, 5, heads)
+    assert scores[0].shape == (*lead, 5, heads)
     weight = 1 + 0.1 * torch.randn(12, generator=g, dtype=dt)
     outs, lse = mix_scored([sc[..., 2:4, :] for sc in scores], sources, score=score, norm=(weight, 1e-5))
     ref, ref_lse = depth_attention_multi(qs[2:4], sources, None if ks is None else ks[2:4], **kw)
@@ -380,8 +385,9 @@ def test_scored_mix_equals_multi_query(heads, score, key_norm):
     ("block", 5, dict(block_size=5, key_norm=False)),
     ("delta", 7, dict(block_size=2, heads=2)),
 ])
+@pytest.mark.parametrize("lead", TOKENS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
-def test_inference_path_matches_naive(kind, m, options, dtype, tol):
+def test_inference_path_matches_naive(kind, m, options, dtype, tol, lead):
     """With autograd off, Block and Delta score each completed block once (the inference
     path): every read and the output equal the per-sublayer reference."""
     dim = 12
@@ -393,7 +399,7 @@ def test_inference_path_matches_naive(kind, m, options, dtype, tol):
             p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
     ref.load_state_dict(fast.state_dict())
     weights = [torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5 for _ in range(m)]
-    e = torch.randn(2, 3, dim, generator=g, dtype=dtype)
+    e = torch.randn(*lead, dim, generator=g, dtype=dtype)
     with torch.no_grad():
         state = fast.init(e)
         routed = state.routed if kind == "delta" else state

@@ -24,6 +24,10 @@ from torch.nn import functional as F
 from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits
 from .rmsnorm import rms_norm_forward
 
+#: at most this many tokens (decoding), the weighted sums run over stacked sources: a few ops
+#: instead of one per source and query, whose dispatch is then the whole cost
+FEW_TOKENS = 64
+
 
 @torch.no_grad()
 def source_scores(
@@ -74,7 +78,8 @@ def mix_scored(
     lead, D = sources[0].shape[:-1], sources[0].shape[-1]
     S, H = scores[0].shape[-2:]
     logits = torch.stack([s.expand(*lead, S, H) for s in scores]).movedim(-2, 1)  # [N, S, ..., H]
-    outs, lse = mix_logits(logits, sources, score, lead, H, D // H)
+    few_tokens = lead.numel() <= FEW_TOKENS
+    outs, lse = mix_logits(logits, sources, score, lead, H, D // H, stacked=few_tokens)
     if norm is not None:
         outs = (rms_norm_forward(outs[0], *norm)[0], *outs[1:])
     return outs, lse
