@@ -114,4 +114,10 @@ def write_csv(name: str, rows: list[dict]) -> Path:
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads, {allocator()}"
+
+
+def allocator() -> str:
+    """The glibc malloc settings this process runs under (they move CPU timings: see BENCHMARKS.md)."""
+    fixed = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") and k.endswith("_")]
+    return "malloc " + (" ".join(fixed) if fixed else "defaults")

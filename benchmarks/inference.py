@@ -7,6 +7,13 @@ against ``prenorm`` in the same run.
 
     python benchmarks/inference.py
     python benchmarks/inference.py --variants prenorm block mhar --rounds 7
+
+glibc's malloc makes prefill timings depend on its heap state (see docs/BENCHMARKS.md); to time
+without page-fault churn, fix its thresholds in the environment:
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 python benchmarks/inference.py
+
+The table header names the settings; a run with them writes ``inference_malloc_fixed.csv``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import allocator, interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
 from train_step import SIZES, VARIANTS  # noqa: E402
 
 from attnres import ModelConfig, Transformer  # noqa: E402
@@ -73,7 +80,7 @@ def main():
         for v in variants
     ]
     print_table(rows, list(rows[0]))
-    write_csv("inference", rows)
+    write_csv("inference" if allocator() == "malloc defaults" else "inference_malloc_fixed", rows)
 
 
 if __name__ == "__main__":

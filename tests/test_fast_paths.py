@@ -435,6 +435,10 @@ def test_inference_scores_each_source_once(monkeypatch):
     scored.clear()
     drive(stream, torch.randn(2, 8), weights)  # autograd on: the differentiable phase 1
     assert scored == [] and phase_one == [1, 2, 3]
+    per_read = build_stream("block", dim=8, num_sublayers=7, block_size=3, two_phase=False)
+    with torch.no_grad():  # nothing reads scores when every read routes on its own
+        drive(per_read, torch.randn(2, 8), weights)
+    assert scored == []
 
 
 def test_backend_errors_and_single_warning():

@@ -8,8 +8,9 @@ moment the source exists; a read then only gathers its column of every source's 
     outs, lse = mix_scored([scores_j[..., rows, :] for j], sources)    # softmax over j, sum
 
 For Block AttnRes this turns the ``O(N^2)`` thin per-block logit matmuls of a prefill into
-``N`` wider ones (one per completed block). The weighted sums are the same as in the autograd
-op (``ops.fused``), and so are the results up to the rounding of the wider matmul.
+``N`` wider ones (one per completed block). The weighted sums are those of the autograd op
+(``ops.fused``); for at most ``FEW_TOKENS`` tokens they run over the stacked sources instead.
+Results equal the autograd op's up to rounding (the wider matmul, the summation order).
 
 No gradients flow through these functions: streams use them only with autograd off.
 """

@@ -273,7 +273,7 @@ class BlockRoutingStream(DepthRoutingStream):
     def _closed(self, blocks, stats, scores, source, first_site) -> BlockState:
         """The state with ``source`` added to the completed sources, before ``first_site``."""
         r = self.key_stats(source)
-        ahead = self.scores_ahead(source, first_site, r)
+        ahead = self.scores_ahead(source, first_site, r) if self._uses_two_phase() else None
         scores = scores + (ahead,) if ahead is not None and len(scores) == len(blocks) else ()
         return BlockState(blocks + (source,), None, None, stats + (r,), scores)
 
@@ -291,7 +291,9 @@ class BlockRoutingStream(DepthRoutingStream):
             norm = (site_norm.weight, site_norm.eps)
         sources, scores = self.completed_sources(state), self.completed_scores(state)
         if scores and len(scores) == len(sources):  # inference: every logit is already computed
-            end = self.num_sublayers + 1  # each source's scores run from its first reader to M
+            # each source's scores run from the first site that reads it to the output (M), so
+            # this block's sites are the same rows counted from the end
+            end = self.num_sublayers + 1
             rows = [s[..., first_site - end:last - end or None, :] for s in scores]
             out, lse = mix_scored(rows, sources, score=self.score, norm=norm)
         else:
