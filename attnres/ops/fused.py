@@ -88,8 +88,9 @@ def _weighted_sums(weights, sources, lead, H, dh):
     -> ``S x [..., H, Dh]`` in the weights' dtype.
 
     One accumulator per query, visited source by source (each source is converted once): a
-    single ``[S, ..., D]`` accumulator is no faster to update and falls out of cache for
-    ``S > 1``. The first product allocates each accumulator (no zero fill)."""
+    single ``[S, ..., D]`` accumulator is no faster, and slower when the sources sit in cache
+    (9 sources, 2 queries, ``[1024, 512]``: 2.7 ms against 1.7 ms). Per query the products and
+    their order are the same either way. The first product allocates each accumulator."""
     weights = weights.unsqueeze(-1)
     accs = []
     for j, v in enumerate(sources):
