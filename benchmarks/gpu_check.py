@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import CheapStack  # noqa: E402
 
-from attnres import ModelConfig, Transformer, build_stream, param_groups  # noqa: E402
+from attnres import ModelConfig, Transformer, param_groups  # noqa: E402
 from attnres.ops import depth_attention, merge, multi_query_attention  # noqa: E402
 
 

@@ -3,7 +3,6 @@ the yardstick that shows the project's own PreNorm baseline carries no overhead.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 

@@ -46,7 +46,7 @@ def test_uniform_weights_give_the_mean_not_the_sum():
 
 def reference(query, sources, gain, heads, eps=1e-6, score="softmax", key_norm=True):
     """Per-head loop with einsum, written independently of the library's op."""
-    n, dim = len(sources), sources[0].shape[-1]
+    dim = sources[0].shape[-1]
     hd = dim // heads
     outs, all_w = [], []
     for h in range(heads):

@@ -1,5 +1,6 @@
 """Every fast path against its naive twin: forward and every gradient."""
 
+import importlib
 import warnings
 
 import pytest
@@ -294,20 +295,26 @@ def test_per_read_torch_path_with_cached_key_stats_matches_naive(kind, options):
     assert_stream_matches_naive(kind, options, 7, torch.float64, 1e-12)
 
 
-def assert_stream_matches_naive(kind, options, m, dtype, tol):
-    dim = 12
-    g = torch.Generator().manual_seed(m * 10 + options.get("block_size", 0))
+def stream_pair(kind, options, m, dtype, seed, lead=(2, 3), dim=12):
+    """``(fast, ref, weights, e)``: the stream on the default backend and its per-sublayer naive
+    twin with the same parameters (moved off the zero init, so that every path carries signal),
+    ``m`` sublayer weights ``[dim, dim]`` and an embedding ``[*lead, dim]``."""
+    g = torch.Generator().manual_seed(seed)
     fast = build_stream(kind, dim=dim, num_sublayers=m, **options).to(dtype)
     ref_options = {k: v for k, v in options.items() if k != "two_phase"}
     if kind != "full":
         ref_options["two_phase"] = False
     ref = build_stream(kind, dim=dim, num_sublayers=m, backend="naive", **ref_options).to(dtype)
-    with torch.no_grad():  # off the zero init, so that every path carries signal
+    with torch.no_grad():
         for p in fast.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
     ref.load_state_dict(fast.state_dict())
     weights = [torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5 for _ in range(m)]
-    e = torch.randn(2, 3, dim, generator=g, dtype=dtype)
+    return fast, ref, weights, torch.randn(*lead, dim, generator=g, dtype=dtype)
+
+
+def assert_stream_matches_naive(kind, options, m, dtype, tol):
+    fast, ref, weights, e = stream_pair(kind, options, m, dtype, seed=m * 10 + options.get("block_size", 0))
     outs = []
     for stream in (fast, ref):
         e_ = e.clone().requires_grad_()
@@ -390,16 +397,7 @@ def test_scored_mix_equals_multi_query(heads, score, key_norm, lead):
 def test_inference_path_matches_naive(kind, m, options, dtype, tol, lead):
     """With autograd off, Block and Delta score each completed block once (the inference
     path): every read and the output equal the per-sublayer reference."""
-    dim = 12
-    g = torch.Generator().manual_seed(m)
-    fast = build_stream(kind, dim=dim, num_sublayers=m, **options).to(dtype)
-    ref = build_stream(kind, dim=dim, num_sublayers=m, backend="naive", two_phase=False, **options).to(dtype)
-    with torch.no_grad():
-        for p in fast.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=dtype))
-    ref.load_state_dict(fast.state_dict())
-    weights = [torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5 for _ in range(m)]
-    e = torch.randn(*lead, dim, generator=g, dtype=dtype)
+    fast, ref, weights, e = stream_pair(kind, options, m, dtype, seed=m, lead=lead)
     with torch.no_grad():
         state = fast.init(e)
         routed = state.routed if kind == "delta" else state
@@ -450,10 +448,8 @@ def test_backend_errors_and_single_warning():
         depth_attention(torch.zeros(8), sources, backend="cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from attnres.ops import depth_attention as da_module  # noqa: F401  (the function)
-        import sys
-
-        sys.modules["attnres.ops.depth_attention"]._warned.clear()
+        # the module, not the function attnres.ops re-exports under the same name
+        importlib.import_module("attnres.ops.depth_attention")._warned.clear()
         depth_attention(q, sources)
         depth_attention(q, sources)
     assert len([w for w in caught if "per-token" in str(w.message)]) == 1

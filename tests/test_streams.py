@@ -7,7 +7,7 @@ import torch
 
 from attnres import build_stream
 from attnres.ops import rms_norm
-from attnres.streams import BlockState, gated_branch_mix
+from attnres.streams import gated_branch_mix
 
 D, M = 12, 7
 

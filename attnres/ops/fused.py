@@ -52,6 +52,31 @@ def head_matrix(qg: torch.Tensor, heads: int) -> torch.Tensor:
     return blocks.reshape(S * heads, D)
 
 
+def scoring_weights(qg: torch.Tensor, heads: int) -> torch.Tensor:
+    """What ``source_logits`` multiplies a source by, from the gain-folded queries ``qg``
+    ``[S, D]``: ``qg`` itself for one head; for few rows (``S*H <= 16``) the block-diagonal
+    ``head_matrix``, one thin GEMM, the fastest form there; else ``qg`` per head ``[S, H, Dh]``,
+    without the ``H``-fold zeros (``[2048, 512]`` against 17 queries x 8 heads: 0.8 ms per head
+    against 2.6 ms block-diagonal; against 2 x 8: 0.6 ms against 0.4 ms)."""
+    S, D = qg.shape
+    if heads == 1:
+        return qg
+    if S * heads <= 16:
+        return head_matrix(qg, heads)
+    return qg.view(S, heads, D // heads)
+
+
+def source_logits(v: torch.Tensor, weights: torch.Tensor, heads: int,
+                  inv_rms: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head logits ``[..., S, H]`` of one source ``v`` ``[..., D]`` (compute dtype) against
+    ``scoring_weights``, times the source's inverse RMS ``[...]`` when given (the key norm)."""
+    if weights.ndim == 2:
+        raw = F.linear(v, weights).unflatten(-1, (-1, heads))
+    else:
+        raw = torch.einsum("...hd,shd->...sh", v.unflatten(-1, (heads, v.shape[-1] // heads)), weights)
+    return raw if inv_rms is None else raw * inv_rms[..., None, None]
+
+
 def fold_gain(query: torch.Tensor, gain: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
     """``query * gain`` in ``dt`` (the key-norm gain folded into the query, ``[..., D]``)."""
     return query.to(dt) if gain is None else query.to(dt) * gain.to(dt)
@@ -143,16 +168,14 @@ class DepthAttentionFunction(torch.autograd.Function):
         H, dh = heads, D // heads
         dt = compute_dtype(sources[0].dtype)
         lead = sources[0].shape[:-1]
-        Qm = head_matrix(fold_gain(queries, gains, dt), H)
+        weights = scoring_weights(fold_gain(queries, gains, dt), H)
         logits, inv_rms = [], []
         for v, r in zip(sources, cached):
-            raw = F.linear(v.to(dt), Qm)  # [..., S*H]
             if key_norm:
                 r = inverse_rms(v, eps) if r is None else r.to(dt)
-                raw = raw * r.unsqueeze(-1)
                 inv_rms.append(r)
-            logits.append(raw)
-        logits = torch.stack(logits).unflatten(-1, (S, H)).movedim(-2, 1)  # [N, S, ..., H]
+            logits.append(source_logits(v.to(dt), weights, H, r if key_norm else None))
+        logits = torch.stack(logits).movedim(-2, 1)  # [N, S, ..., H]
         outs, lse = mix_logits(logits, sources, score, lead, H, dh)
         inv_rms = torch.stack(inv_rms) if key_norm else None
         # At most the first output is kept, and only when its consumer (the pre-norm) keeps it

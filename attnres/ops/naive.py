@@ -40,7 +40,7 @@ def depth_attention_naive(
     """
     math_dtype = torch.promote_types(sources[0].dtype, torch.float32)  # fp32, or fp64 for fp64
     values = torch.stack(list(sources)).to(math_dtype)  # [N, ..., D]
-    n_src, dim = values.shape[0], values.shape[-1]
+    dim = values.shape[-1]
     keys = rms_norm(values, eps=eps) if key_norm else values
     if gain is not None:
         keys = keys * gain.to(math_dtype)

@@ -20,10 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.nn import functional as F
 
-from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits
-from .rmsnorm import rms_norm_forward
+from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits, scoring_weights, source_logits
+from .rmsnorm import rms_norm
 
 #: at most this many tokens (decoding), the weighted sums run over stacked sources: a few ops
 #: instead of one per source and query, whose dispatch is then the whole cost
@@ -47,18 +46,10 @@ def source_scores(
 
     ``inv_rms`` ``[...]`` is the source's cached ``inverse_rms`` (computed here when None)."""
     dt = compute_dtype(v.dtype)
-    K, D = queries.shape
-    qg = fold_gain(queries, gains, dt)
-    vf = v.to(dt)
-    if heads == 1:
-        raw = F.linear(vf, qg).unsqueeze(-1)  # [..., K, 1]
-    else:  # per head: no block-diagonal matrix (H times the work of the needed products)
-        vh = vf.unflatten(-1, (heads, D // heads))
-        raw = torch.einsum("...hd,khd->...kh", vh, qg.view(K, heads, D // heads))
-    if not key_norm:
-        return raw
-    r = inverse_rms(v, eps) if inv_rms is None else inv_rms.to(dt)
-    return raw * r[..., None, None]
+    if key_norm:
+        inv_rms = inverse_rms(v, eps) if inv_rms is None else inv_rms.to(dt)
+    weights = scoring_weights(fold_gain(queries, gains, dt), heads)
+    return source_logits(v.to(dt), weights, heads, inv_rms if key_norm else None)
 
 
 @torch.no_grad()
@@ -82,5 +73,5 @@ def mix_scored(
     few_tokens = lead.numel() <= FEW_TOKENS
     outs, lse = mix_logits(logits, sources, score, lead, H, D // H, stacked=few_tokens)
     if norm is not None:
-        outs = (rms_norm_forward(outs[0], *norm)[0], *outs[1:])
+        outs = (rms_norm(outs[0], *norm), *outs[1:])
     return outs, lse

@@ -20,10 +20,9 @@ read keeps one ``[..., D]`` tensor.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-from .fused import compute_dtype, fold_gain, head_matrix, inverse_rms, query_grads
-from .rmsnorm import rms_norm_backward, rms_norm_forward
+from .fused import compute_dtype, fold_gain, inverse_rms, query_grads, scoring_weights, source_logits
+from .rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
 
 
 def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
@@ -32,11 +31,8 @@ def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
     lead, D = partial.shape[:-1], partial.shape[-1]
     H, dh = heads, D // heads
     P = partial.to(dt)
-    s2 = F.linear(P, head_matrix(fold_gain(query, gain, dt).unsqueeze(0), H))  # [..., H]
-    r = None
-    if key_norm:
-        r = inverse_rms(P, eps)  # [...]
-        s2 = s2 * r.unsqueeze(-1)
+    r = inverse_rms(P, eps) if key_norm else None  # [...]
+    s2 = source_logits(P, scoring_weights(fold_gain(query, gain, dt)[None], H), H, r)[..., 0, :]  # [..., H]
     Ph = partial.view(*lead, H, dh)
     o1h = o1.view(*lead, H, dh)
     if score == "softmax":
@@ -174,6 +170,6 @@ def merge_norm(
     as one op: the read of a merged sublayer including its pre-norm, ``[..., D]``."""
     if not torch.is_grad_enabled():
         h = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)[0]
-        return rms_norm_forward(h, norm_weight, norm_eps)[0]
+        return rms_norm(h, norm_weight, norm_eps)
     return MergeNormFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps,
                                    score, key_norm)

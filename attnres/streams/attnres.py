@@ -106,10 +106,10 @@ class DepthRoutingStream(Stream):
         return inverse_rms(v, self.eps) if chosen == "torch" else None
 
     def scores_ahead(self, v: torch.Tensor, first_site: int, stats: torch.Tensor | None) -> torch.Tensor | None:
-        """On the inference path (autograd off, ``torch`` backend, not tracing): the logits
+        """With autograd off on the ``torch`` backend (the inference path): the logits
         ``[..., M + 1 - first_site, H]`` of a new source ``v`` for every site from
         ``first_site`` on, computed once (``ops.source_scores``); otherwise None."""
-        if torch.is_grad_enabled() or self.trace is not None or self.query_proj is not None:
+        if torch.is_grad_enabled():
             return None
         if resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=self.key_norm) != "torch":
             return None
@@ -268,14 +268,16 @@ class BlockRoutingStream(DepthRoutingStream):
 
     def start(self, e: torch.Tensor) -> BlockState:
         """The state before sublayer 0: ``e`` as the only completed source, its block open."""
-        return self._open_block(self._closed((), (), (), e, 0), 0)
+        return self._open_block(self._complete(BlockState((), None), e, 0), 0)
 
-    def _closed(self, blocks, stats, scores, source, first_site) -> BlockState:
-        """The state with ``source`` added to the completed sources, before ``first_site``."""
+    def _complete(self, state: BlockState, source: torch.Tensor, first_site: int) -> BlockState:
+        """``state`` with ``source`` added to the completed sources (and nothing partial), before
+        sublayer ``first_site``. Scores are kept only while every completed source has them."""
         r = self.key_stats(source)
         ahead = self.scores_ahead(source, first_site, r) if self._uses_two_phase() else None
-        scores = scores + (ahead,) if ahead is not None and len(scores) == len(blocks) else ()
-        return BlockState(blocks + (source,), None, None, stats + (r,), scores)
+        complete = ahead is not None and len(state.scores) == len(state.blocks)
+        scores = state.scores + (ahead,) if complete else ()
+        return BlockState(state.blocks + (source,), None, None, state.stats + (r,), scores)
 
     def _uses_two_phase(self) -> bool:
         return self.two_phase and self.backend != "naive" and self.trace is None
@@ -290,7 +292,7 @@ class BlockRoutingStream(DepthRoutingStream):
             site_norm = self._site_norm(first_site)
             norm = (site_norm.weight, site_norm.eps)
         sources, scores = self.completed_sources(state), self.completed_scores(state)
-        if scores and len(scores) == len(sources):  # inference: every logit is already computed
+        if scores:  # inference: every logit is already computed
             # each source's scores run from the first site that reads it to the output (M), so
             # this block's sites are the same rows counted from the end
             end = self.num_sublayers + 1
@@ -338,8 +340,7 @@ class BlockRoutingStream(DepthRoutingStream):
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
         if (i + 1) % self.block_size == 0:
-            closed = self._closed(state.blocks, state.stats, state.scores, partial, i + 1)
-            return self._open_block(closed, i + 1)
+            return self._open_block(self._complete(state, partial, i + 1), i + 1)
         return state._replace(partial=partial)
 
     def extra_repr(self) -> str:
