@@ -195,11 +195,11 @@ class PhaseOne(NamedTuple):
 
 
 class BlockState(NamedTuple):
-    """``blocks``: ``(e, B_0, ..., B_{n-1})``, the completed block sums after the embedding;
+    """``blocks``: the completed sources, ``(e, B_0, ..., B_{n-1})`` (Delta: ``null`` first);
     ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty);
     ``phase_one``: the current block's phase-1 result on the two-phase path (else None);
-    ``stats``: each completed block's ``key_stats`` (entries None where no read uses them);
-    ``scores``: on the inference path, each completed block's ``scores_ahead`` (else empty)."""
+    ``stats``: each completed source's ``key_stats`` (entries None where no read uses them);
+    ``scores``: on the inference path, each completed source's ``scores_ahead`` (else empty)."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
@@ -247,36 +247,28 @@ class BlockRoutingStream(DepthRoutingStream):
     def num_blocks(self) -> int:
         return -(-self.num_sublayers // self.block_size)
 
-    def completed_sources(self, state: BlockState) -> list[torch.Tensor]:
-        """The sources fixed for the whole current block (``[e, B_0, ..., B_{n-1}]``)."""
-        return list(state.blocks)
-
-    def completed_stats(self, state: BlockState) -> list[torch.Tensor | None]:
-        """``key_stats`` of ``completed_sources``, in the same order (None where not cached)."""
-        return list(state.stats) + [None] * (len(state.blocks) - len(state.stats))
-
-    def completed_scores(self, state: BlockState) -> list[torch.Tensor]:
-        """``scores_ahead`` of ``completed_sources``, in the same order (empty off the inference path)."""
-        return list(state.scores)
-
     def sources(self, state: BlockState) -> list[torch.Tensor]:
         """Every source of the current read: the completed ones plus ``P_i`` when not empty."""
-        sources = self.completed_sources(state)
-        if state.partial is not None:
-            sources.append(state.partial)
-        return sources
+        return list(state.blocks) + ([state.partial] if state.partial is not None else [])
 
-    def start(self, e: torch.Tensor) -> BlockState:
-        """The state before sublayer 0: ``e`` as the only completed source, its block open."""
-        return self._open_block(self._complete(BlockState((), None), e, 0), 0)
+    def start(self, e: torch.Tensor, state: BlockState = BlockState((), None)) -> BlockState:
+        """The state before sublayer 0: ``e`` added to the completed sources of ``state``
+        (none by default), block 0 open."""
+        return self._open_block(self._complete(state, e, 0), 0)
 
-    def _complete(self, state: BlockState, source: torch.Tensor, first_site: int) -> BlockState:
+    def _complete(self, state: BlockState, source: torch.Tensor, first_site: int,
+                  tokens: torch.Size | None = None) -> BlockState:
         """``state`` with ``source`` added to the completed sources (and nothing partial), before
-        sublayer ``first_site``. Scores are kept only while every completed source has them."""
+        sublayer ``first_site``. Scores are kept only while every completed source has them.
+        ``tokens``: for a source ``[D]`` shared by every token (Delta's null), the token shape it
+        stands for; it is normalized and scored once, then expanded."""
         r = self.key_stats(source)
         ahead = self.scores_ahead(source, first_site, r) if self._uses_two_phase() else None
         complete = ahead is not None and len(state.scores) == len(state.blocks)
         scores = state.scores + (ahead,) if complete else ()
+        if tokens is not None:
+            source = source.expand(*tokens, source.shape[-1])
+            r = None if r is None else r.expand(tokens)
         return BlockState(state.blocks + (source,), None, None, state.stats + (r,), scores)
 
     def _uses_two_phase(self) -> bool:
@@ -291,17 +283,16 @@ class BlockRoutingStream(DepthRoutingStream):
         if self.reads_are_normed_mixes:
             site_norm = self._site_norm(first_site)
             norm = (site_norm.weight, site_norm.eps)
-        sources, scores = self.completed_sources(state), self.completed_scores(state)
-        if scores:  # inference: every logit is already computed
+        if state.scores:  # inference: every logit is already computed
             # each source's scores run from the first site that reads it to the output (M), so
             # this block's sites are the same rows counted from the end
             end = self.num_sublayers + 1
-            rows = [s[..., first_site - end:last - end or None, :] for s in scores]
-            out, lse = mix_scored(rows, sources, score=self.score, norm=norm)
+            rows = [s[..., first_site - end:last - end or None, :] for s in state.scores]
+            out, lse = mix_scored(rows, list(state.blocks), score=self.score, norm=norm)
         else:
             out, lse = multi_query_attention(
-                self.pseudo_queries[first_site:last], sources, gains,
-                backend=self.backend, inv_rms=self.completed_stats(state), norm=norm, **self._routing_kwargs(),
+                self.pseudo_queries[first_site:last], list(state.blocks), gains,
+                backend=self.backend, inv_rms=list(state.stats), norm=norm, **self._routing_kwargs(),
             )
         return state._replace(phase_one=PhaseOne(out, lse, first_site))
 
@@ -309,7 +300,7 @@ class BlockRoutingStream(DepthRoutingStream):
         """``h`` for ``site`` (a sublayer, or ``M`` for the output) before its norm."""
         ph = state.phase_one
         if ph is None or self.trace is not None:
-            stats = self.completed_stats(state) + ([None] if state.partial is not None else [])
+            stats = list(state.stats) + ([None] if state.partial is not None else [])
             return self.route(site, self.sources(state), stats)
         o1 = ph.out[site - ph.first_site]
         if state.partial is None:  # first sublayer of a block: nothing to merge

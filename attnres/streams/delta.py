@@ -47,23 +47,10 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gates)
 
-    def completed_sources(self, state: BlockState) -> list[torch.Tensor]:
-        e = state.blocks[0]
-        return [self.null.to(e.dtype).expand_as(e), *state.blocks]
-
-    def completed_stats(self, state: BlockState) -> list[torch.Tensor | None]:
-        e = state.blocks[0]
-        null = self.key_stats(self.null.to(e.dtype))  # one number for every token
-        return [None if null is None else null.expand(e.shape[:-1]), *state.stats]
-
-    def completed_scores(self, state: BlockState) -> list[torch.Tensor]:
-        if not state.scores:
-            return []
-        null = self.scores_ahead(self.null.to(state.blocks[0].dtype), 0, None)  # [M + 1, H], every token
-        return [] if null is None else [null, *state.scores]
-
     def init(self, e: torch.Tensor) -> DeltaState:
-        return DeltaState(e, self.start(e))
+        # the null source comes first: one vector for every token, normalized and scored once
+        null = self._complete(BlockState((), None), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
+        return DeltaState(e, self.start(e, null))
 
     def _read_site(self, site: int, state: DeltaState) -> torch.Tensor:
         routed = self._route_block(site, state.routed)
