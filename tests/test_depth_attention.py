@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnres.ops import RMSNorm, depth_attention, rms_norm, sinkhorn
-from attnres.ops.rmsnorm import RMSNormFunction
+from attnres.ops.rmsnorm import RMSNormFunction, rms_norm_backward, rms_norm_forward
 
 EPS_TINY = 1e-12  # "eps -> 0" in SPEC's worked example
 
@@ -185,6 +185,27 @@ def test_rms_norm_module_is_rms_norm_with_a_leaner_backward(dtype):
     for a, b in zip(fast, ref):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_in_place_path_rounds_like_the_differentiable_one(dtype, with_weight):
+    """Without autograd the norm and its backward reuse buffers (or normalize in place); the
+    values must be those of the out-of-place (graph-recording) path bit for bit."""
+    x = torch.randn(3, 5, 16, dtype=dtype)
+    w = (1 + 0.3 * torch.randn(16)).to(dtype) if with_weight else None
+    dy = torch.randn(3, 5, 16, dtype=dtype)
+    with torch.no_grad():
+        y_lean, rr_lean = rms_norm_forward(x, w, 1e-5)
+        dx_lean, dw_lean = rms_norm_backward(dy, x, w, rr_lean)
+        y_in_place = rms_norm_forward(x.clone(), w, 1e-5, in_place=True)[0]
+    xg = x.clone().requires_grad_()
+    y_graph, rr_graph = rms_norm_forward(xg, w, 1e-5)
+    dx_graph, dw_graph = rms_norm_backward(dy, xg, w, rr_graph.detach())
+    assert torch.equal(y_lean, y_graph) and torch.equal(rr_lean, rr_graph)
+    assert torch.equal(y_in_place, y_graph)
+    assert torch.equal(dx_lean, dx_graph)
+    assert (dw_lean is None) == (not with_weight) and (dw_lean is None or torch.equal(dw_lean, dw_graph))
 
 
 def test_sinkhorn_is_doubly_stochastic():

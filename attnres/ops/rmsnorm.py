@@ -17,25 +17,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return rms_norm_forward(x, weight, eps)[0]
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in_place: bool = False):
     """``(rms_norm(x, weight, eps), rr)`` with ``rr = rsqrt(mean(x^2) + eps)`` ``[..., 1]`` in fp32
-    (fp64 for fp64 input), what ``rms_norm_backward`` needs besides ``x``."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
-    rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (xf * rr).to(x.dtype)
-    return (y if weight is None else weight * y), rr
+    (fp64 for fp64 input), what ``rms_norm_backward`` needs besides ``x``.
+
+    Without autograd (inference, and inside the ``autograd.Function``s) the square and the
+    normalized ``x`` share one buffer and the gain is applied in place: the same arithmetic with
+    one ``[..., D]`` allocation instead of three (a fresh tensor costs more than the op here).
+    ``in_place=True`` (for a temporary nobody else reads) normalizes in ``x``'s own buffer."""
+    dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+    xf = x.to(dt)
+    if _records_graph(x, weight):
+        rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = (xf * rr).to(x.dtype)
+        return (y if weight is None else weight * y), rr
+    buf = torch.mul(xf, xf)
+    rr = torch.rsqrt(buf.mean(-1, keepdim=True) + eps)
+    if in_place and xf is x:
+        del buf
+        y = x.mul_(rr)
+    else:
+        y = torch.mul(xf, rr, out=buf).to(x.dtype)
+    if weight is None:
+        return y, rr
+    if torch.promote_types(weight.dtype, y.dtype) == y.dtype:
+        return y.mul_(weight), rr
+    return weight * y, rr
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rr: torch.Tensor,
                       need_weight: bool = True):
     """``(dx, d_weight)`` for ``y = weight * cast(x * rr)``: ``dx = rr * (dxn - xn * mean(dxn * xn))``
-    with ``xn = x * rr`` recomputed and ``dxn = dy * weight``; ``dx`` in ``rr``'s dtype."""
+    with ``xn = x * rr`` recomputed and ``dxn = dy * weight``; ``dx`` in ``rr``'s dtype.
+
+    Both products that are only reduced go through one scratch buffer and ``dx`` is built in
+    ``xn``'s: three ``[..., D]`` allocations instead of six, with the same roundings."""
     xn = x.to(rr.dtype) * rr
+    dxn = (dy if weight is None else dy * weight).to(rr.dtype)
+    if _records_graph(dy, x, weight, rr):  # autograd is recording (create_graph): no in-place ops
+        d_weight = None
+        if weight is not None and need_weight:
+            d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr), d_weight
+    scratch = torch.empty_like(xn)
     d_weight = None
     if weight is not None and need_weight:
-        d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    dxn = (dy if weight is None else dy * weight).to(rr.dtype)
-    return (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr), d_weight
+        xn_cast = xn.to(x.dtype)
+        same = torch.promote_types(dy.dtype, xn_cast.dtype) == scratch.dtype and dy.shape == scratch.shape
+        prod = torch.mul(dy, xn_cast, out=scratch) if same else dy * xn_cast
+        d_weight = prod.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    m = torch.mul(dxn, xn, out=scratch).mean(-1, keepdim=True)
+    # dxn - xn * m, built in xn's buffer: xn * (-m) + dxn rounds exactly as dxn - xn * m
+    return xn.mul_(m.neg_()).add_(dxn).mul_(rr), d_weight
+
+
+def _records_graph(*tensors) -> bool:
+    """Whether autograd would record ops on these tensors (then no op may be in place)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits, scoring_weights, source_logits
-from .rmsnorm import rms_norm
+from .rmsnorm import rms_norm_forward
 
 #: at most this many tokens (decoding), the weighted sums run over stacked sources: a few ops
 #: instead of one per source and query, whose dispatch is then the whole cost
@@ -73,5 +73,5 @@ def mix_scored(
     few_tokens = lead.numel() <= FEW_TOKENS
     outs, lse = mix_logits(logits, sources, score, lead, H, D // H, stacked=few_tokens)
     if norm is not None:
-        outs = (rms_norm(outs[0], *norm), *outs[1:])
+        outs = (rms_norm_forward(outs[0], *norm, in_place=True)[0], *outs[1:])  # a fresh sum
     return outs, lse

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .fused import compute_dtype, fold_gain, inverse_rms, query_grads, scoring_weights, source_logits
-from .rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
+from .fused import compute_dtype, fold_gain, head_dots, inverse_rms, query_grads, scoring_weights, source_logits
+from .rmsnorm import rms_norm_backward, rms_norm_forward
 
 
 def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
@@ -44,9 +44,10 @@ def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):
     return h.view(*lead, D), s2, w, r
 
 
-def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm, needs):
+def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm, needs, g_owned=False):
     """Gradients for ``(o1, lse1, partial, query, gain)`` from ``g = dL/dh`` (compute dtype; the
-    query and gain gradients come in their own dtypes); ``needs`` says which are required."""
+    query and gain gradients come in their own dtypes); ``needs`` says which are required.
+    ``g_owned``: ``g`` is this backward's own temporary, so ``d_o1`` may be built in its buffer."""
     lead, D = partial.shape[:-1], partial.shape[-1]
     H, dh = heads, D // heads
     dt = w.dtype
@@ -54,21 +55,24 @@ def _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm
     Ph = partial.to(dt).view(*lead, H, dh)
     wd = w.unsqueeze(-1)
     d_o1 = d_lse1 = d_partial = d_query = d_gain = None
+    # the products that are only reduced are written into one buffer, which then becomes dP
+    # (fresh [..., D] temporaries cost more than these ops; see fused.head_dots)
+    buf = torch.empty_like(gh)
     if score == "softmax":
-        if needs[0]:
-            d_o1 = gh * wd
         # w = sigmoid(z), z = lse1 - s2: dz = w (1 - w) g . (o1 - P) = (1 - w) g . (h - P)
-        gdiff = torch.linalg.vecdot(gh, h.to(dt).view(*lead, H, dh)) - torch.linalg.vecdot(gh, Ph)
+        gdiff = head_dots(gh, h.to(dt).view(*lead, H, dh), buf) - head_dots(gh, Ph, buf)
         dz = gdiff * (1 - w)
         if needs[1]:
             d_lse1 = dz
         ds2 = -dz
-        dP = gh * (1 - wd) if needs[2] else None
+        dP = torch.mul(gh, 1 - wd, out=buf) if needs[2] else None
+        if needs[0]:  # last use of gh
+            d_o1 = gh.mul_(wd) if g_owned else gh * wd
     else:
         if needs[0]:
             d_o1 = gh
-        ds2 = torch.linalg.vecdot(gh, Ph) * w * (1 - w)
-        dP = gh * wd if needs[2] else None
+        ds2 = head_dots(gh, Ph, buf) * w * (1 - w)
+        dP = torch.mul(gh, wd, out=buf) if needs[2] else None
     qg = fold_gain(query, gain, dt)
     c = ds2 * r.unsqueeze(-1) if key_norm else ds2  # d(raw logit), [..., H]
     if dP is not None:
@@ -125,7 +129,7 @@ class MergeNormFunction(torch.autograd.Function):
         heads, score, key_norm, dtypes = ctx.config
         g, d_weight = rms_norm_backward(dy, h, weight, rr, ctx.needs_input_grad[5])
         grads = _merge_backward(g, h, partial, query, gain, s2, w, r, heads, score, key_norm,
-                                ctx.needs_input_grad)
+                                ctx.needs_input_grad, g_owned=not torch.is_grad_enabled())
         return (*_cast(grads, dtypes), d_weight, None, None, None, None, None)
 
 
@@ -170,6 +174,6 @@ def merge_norm(
     as one op: the read of a merged sublayer including its pre-norm, ``[..., D]``."""
     if not torch.is_grad_enabled():
         h = _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm)[0]
-        return rms_norm(h, norm_weight, norm_eps)
+        return rms_norm_forward(h, norm_weight, norm_eps, in_place=True)[0]  # h is not kept
     return MergeNormFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps,
                                    score, key_norm)
