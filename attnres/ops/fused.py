@@ -108,6 +108,11 @@ def inverse_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         return torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1).square() / v.shape[-1] + eps)
 
 
+def key_inverse_rms(v: torch.Tensor, cached: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``v``'s inverse RMS in the compute dtype: the ``cached`` one when given, else computed."""
+    return inverse_rms(v, eps) if cached is None else cached.to(compute_dtype(v.dtype))
+
+
 def head_dots(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Per-head dot products ``a . b`` over the last dim, ``[..., H, Dh] -> [..., H]``, with the
     elementwise product written into ``scratch`` (same shape as ``a``), a buffer reused across
@@ -181,7 +186,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         logits, inv_rms = [], []
         for v, r in zip(sources, cached):
             if key_norm:
-                r = inverse_rms(v, eps) if r is None else r.to(dt)
+                r = key_inverse_rms(v, r, eps)
                 inv_rms.append(r)
             logits.append(source_logits(v.to(dt), weights, H, r if key_norm else None))
         logits = torch.stack(logits).movedim(-2, 1)  # [N, S, ..., H]

@@ -21,26 +21,23 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, i
     """``(rms_norm(x, weight, eps), rr)`` with ``rr = rsqrt(mean(x^2) + eps)`` ``[..., 1]`` in fp32
     (fp64 for fp64 input), what ``rms_norm_backward`` needs besides ``x``.
 
-    Without autograd (inference, and inside the ``autograd.Function``s) the square and the
-    normalized ``x`` share one buffer and the gain is applied in place: the same arithmetic with
+    Without autograd (inference, and inside the ``autograd.Function``s) the normalized ``x``
+    is written into the square's buffer and the gain applied in place: the same arithmetic with
     one ``[..., D]`` allocation instead of three (a fresh tensor costs more than the op here).
     ``in_place=True`` (for a temporary nobody else reads) normalizes in ``x``'s own buffer."""
-    dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-    xf = x.to(dt)
-    if _records_graph(x, weight):
-        rr = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = (xf * rr).to(x.dtype)
-        return (y if weight is None else weight * y), rr
-    buf = torch.mul(xf, xf)
-    rr = torch.rsqrt(buf.mean(-1, keepdim=True) + eps)
-    if in_place and xf is x:
-        del buf
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+    square = xf * xf
+    rr = torch.rsqrt(square.mean(-1, keepdim=True) + eps)
+    reuse = not _records_graph(x, weight)  # buffers may be written in place
+    if reuse and in_place and xf is x:
         y = x.mul_(rr)
+    elif reuse:
+        y = torch.mul(xf, rr, out=square).to(x.dtype)
     else:
-        y = torch.mul(xf, rr, out=buf).to(x.dtype)
+        y = (xf * rr).to(x.dtype)
     if weight is None:
         return y, rr
-    if torch.promote_types(weight.dtype, y.dtype) == y.dtype:
+    if reuse and torch.promote_types(weight.dtype, y.dtype) == y.dtype:
         return y.mul_(weight), rr
     return weight * y, rr
 
@@ -50,23 +47,24 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | 
     """``(dx, d_weight)`` for ``y = weight * cast(x * rr)``: ``dx = rr * (dxn - xn * mean(dxn * xn))``
     with ``xn = x * rr`` recomputed and ``dxn = dy * weight``; ``dx`` in ``rr``'s dtype.
 
-    Both products that are only reduced go through one scratch buffer and ``dx`` is built in
-    ``xn``'s: three ``[..., D]`` allocations instead of six, with the same roundings."""
+    Without autograd recording (``create_graph``), both products that are only reduced go
+    through one scratch buffer and ``dx`` is built in ``xn``'s: three ``[..., D]`` allocations
+    instead of six, with the same roundings."""
     xn = x.to(rr.dtype) * rr
     dxn = (dy if weight is None else dy * weight).to(rr.dtype)
-    if _records_graph(dy, x, weight, rr):  # autograd is recording (create_graph): no in-place ops
-        d_weight = None
-        if weight is not None and need_weight:
-            d_weight = (dy * xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        return (dxn - xn * (dxn * xn).mean(-1, keepdim=True)).mul_(rr), d_weight
-    scratch = torch.empty_like(xn)
+    scratch = None if _records_graph(dy, x, weight, rr) else torch.empty_like(xn)
+
+    def reduced_product(a, b):  # a * b, only ever summed
+        if scratch is not None and torch.promote_types(a.dtype, b.dtype) == scratch.dtype:
+            return torch.mul(a, b, out=scratch)
+        return a * b
+
     d_weight = None
     if weight is not None and need_weight:
-        xn_cast = xn.to(x.dtype)
-        same = torch.promote_types(dy.dtype, xn_cast.dtype) == scratch.dtype and dy.shape == scratch.shape
-        prod = torch.mul(dy, xn_cast, out=scratch) if same else dy * xn_cast
-        d_weight = prod.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    m = torch.mul(dxn, xn, out=scratch).mean(-1, keepdim=True)
+        d_weight = reduced_product(dy, xn.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    m = reduced_product(dxn, xn).mean(-1, keepdim=True)
+    if scratch is None:
+        return (dxn - xn * m).mul_(rr), d_weight
     # dxn - xn * m, built in xn's buffer: xn * (-m) + dxn rounds exactly as dxn - xn * m
     return xn.mul_(m.neg_()).add_(dxn).mul_(rr), d_weight
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .fused import compute_dtype, fold_gain, inverse_rms, mix_logits, scoring_weights, source_logits
+from .fused import compute_dtype, fold_gain, key_inverse_rms, mix_logits, scoring_weights, source_logits
 from .rmsnorm import rms_norm_forward
 
 #: at most this many tokens (decoding), the weighted sums run over stacked sources: a few ops
@@ -47,7 +47,7 @@ def source_scores(
     ``inv_rms`` ``[...]`` is the source's cached ``inverse_rms`` (computed here when None)."""
     dt = compute_dtype(v.dtype)
     if key_norm:
-        inv_rms = inverse_rms(v, eps) if inv_rms is None else inv_rms.to(dt)
+        inv_rms = key_inverse_rms(v, inv_rms, eps)
     weights = scoring_weights(fold_gain(queries, gains, dt), heads)
     return source_logits(v.to(dt), weights, heads, inv_rms if key_norm else None)
 
