@@ -39,7 +39,7 @@ class ModelConfig:
       the AttnRes ablations (SPEC section 9) for full/block/delta.
     - ``streams``: number of streams/branches for hc/mhc/gr; ``gr_rank``: GR's gate rank;
       ``sinkhorn_iterations``: mHC.
-    - ``backend`` (``"auto"``/``"torch"``/``"naive"``) for full/block/delta; ``two_phase`` (the
+    - ``backend`` (``"auto"``/``"cpu"``/``"torch"``/``"triton"``/``"naive"``) for full/block/delta; ``two_phase`` (the
       two-phase Block computation, default on) for block/delta.
     """
 

@@ -34,6 +34,8 @@ VARIANTS = {
     "mhc": dict(residual="mhc", streams=4),
     "gr": dict(residual="gr", streams=4),
     "block-naive": dict(residual="block", num_blocks=8, backend="naive", two_phase=False),
+    "block-torch": dict(residual="block", num_blocks=8, backend="torch"),
+    "mhar-torch": dict(residual="block", num_blocks=8, heads=8, backend="torch"),
 }
 
 

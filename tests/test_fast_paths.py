@@ -280,7 +280,7 @@ def drive(stream, e, weights):
 @pytest.mark.parametrize("m,s,heads", [(7, 3, 1), (8, 4, 2), (6, 1, 3), (5, 5, 1), (9, 2, 6)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
 def test_two_phase_stream_matches_per_sublayer_naive(kind, m, s, heads, dtype, tol):
-    assert_stream_matches_naive(kind, dict(block_size=s, heads=heads), m, dtype, tol)
+    assert_stream_matches_naive(kind, dict(block_size=s, heads=heads, backend="torch"), m, dtype, tol)
 
 
 @pytest.mark.parametrize("kind,options", [
@@ -292,7 +292,7 @@ def test_two_phase_stream_matches_per_sublayer_naive(kind, m, s, heads, dtype, t
 def test_per_read_torch_path_with_cached_key_stats_matches_naive(kind, options):
     """Every source normalized once and read by many sublayers: the cached inverse RMS carries
     the gradient of all of its reads."""
-    assert_stream_matches_naive(kind, options, 7, torch.float64, 1e-12)
+    assert_stream_matches_naive(kind, dict(options, backend="torch"), 7, torch.float64, 1e-12)
 
 
 def stream_pair(kind, options, m, dtype, seed, lead=(2, 3), dim=12):
@@ -301,7 +301,7 @@ def stream_pair(kind, options, m, dtype, seed, lead=(2, 3), dim=12):
     ``m`` sublayer weights ``[dim, dim]`` and an embedding ``[*lead, dim]``."""
     g = torch.Generator().manual_seed(seed)
     fast = build_stream(kind, dim=dim, num_sublayers=m, **options).to(dtype)
-    ref_options = {k: v for k, v in options.items() if k != "two_phase"}
+    ref_options = {k: v for k, v in options.items() if k not in ("two_phase", "backend")}
     if kind != "full":
         ref_options["two_phase"] = False
     ref = build_stream(kind, dim=dim, num_sublayers=m, backend="naive", **ref_options).to(dtype)
@@ -364,7 +364,8 @@ TOKENS = [pytest.param((2, 3), id="6-tokens"), pytest.param((1, 70), id="70-toke
 @pytest.mark.parametrize("heads,score,key_norm", [
     (1, "softmax", True), (4, "softmax", True), (2, "sigmoid", True), (3, "softmax", False),
 ])
-def test_scored_mix_equals_multi_query(heads, score, key_norm, lead):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_scored_mix_equals_multi_query(heads, score, key_norm, lead, kernels):
     """Each source scored once against all five queries, then two of them gathered: the same
     outputs and log-sum-exp as phase 1 computing those two queries' logits itself."""
     g = torch.Generator().manual_seed(heads)
@@ -376,7 +377,8 @@ def test_scored_mix_equals_multi_query(heads, score, key_norm, lead):
     scores = [source_scores(v, qs, ks, heads=heads, key_norm=key_norm) for v in sources]
     assert scores[0].shape == (*lead, 5, heads)
     weight = 1 + 0.1 * torch.randn(12, generator=g, dtype=dt)
-    outs, lse = mix_scored([sc[..., 2:4, :] for sc in scores], sources, score=score, norm=(weight, 1e-5))
+    outs, lse = mix_scored([sc[..., 2:4, :] for sc in scores], sources, score=score, norm=(weight, 1e-5),
+                           kernels=kernels)
     ref, ref_lse = depth_attention_multi(qs[2:4], sources, None if ks is None else ks[2:4], **kw)
     torch.testing.assert_close(outs[0], rms_norm(ref[0], weight, 1e-5), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(outs[1], ref[1], atol=1e-12, rtol=1e-12)
@@ -394,10 +396,11 @@ def test_scored_mix_equals_multi_query(heads, score, key_norm, lead):
 ])
 @pytest.mark.parametrize("lead", TOKENS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
-def test_inference_path_matches_naive(kind, m, options, dtype, tol, lead):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_inference_path_matches_naive(kind, m, options, dtype, tol, lead, backend):
     """With autograd off, Block and Delta score each completed block once (the inference
     path): every read and the output equal the per-sublayer reference."""
-    fast, ref, weights, e = stream_pair(kind, options, m, dtype, seed=m, lead=lead)
+    fast, ref, weights, e = stream_pair(kind, dict(options, backend=backend), m, dtype, seed=m, lead=lead)
     with torch.no_grad():
         state = fast.init(e)
         routed = state.routed if kind == "delta" else state

@@ -12,13 +12,16 @@ from collections.abc import Sequence
 
 import torch
 
+from .cpu_build import build_problem
+from .cpu_kernels import DTYPES as CPU_DTYPES
+from .cpu_kernels import depth_attention_multi_cpu
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
 from .rmsnorm import RMSNormFunction
 from .two_phase import merge_norm, merge_partial
 
 SCORES = ("softmax", "sigmoid")
-BACKENDS = ("auto", "torch", "naive", "triton")
+BACKENDS = ("auto", "torch", "naive", "triton", "cpu")
 _warned: set[str] = set()
 
 
@@ -41,12 +44,24 @@ def _triton_problem(device_type: str, score: str, key_norm: bool) -> str | None:
     return None
 
 
-def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: bool = False,
-                    score: str = "softmax", key_norm: bool = True) -> str:
-    """The backend that will run: ``naive``, ``torch`` or ``triton``.
+def _cpu_problem(device_type: str, dtype: torch.dtype | None) -> str | None:
+    """Why the CPU kernels cannot run here, or None when they can."""
+    if device_type != "cpu":
+        return f"the CPU kernels run on CPU tensors, got {device_type} tensors"
+    if dtype is not None and dtype not in CPU_DTYPES:
+        return f"the CPU kernels take float32 or float64 sources, got {dtype}"
+    return build_problem()
 
-    ``auto`` picks Triton for CUDA tensors and ``torch`` elsewhere; it alone may fall back
-    (warning once). An explicit backend that cannot run raises ``RuntimeError`` saying why.
+
+def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: bool = False,
+                    score: str = "softmax", key_norm: bool = True, dtype: torch.dtype | None = None) -> str:
+    """The backend that will run: ``naive``, ``torch``, ``triton`` or ``cpu``.
+
+    ``auto`` picks Triton for CUDA tensors, the CPU kernels for fp32/fp64 CPU tensors (``torch``
+    while ``torch.compile`` traces, which cannot see into them; ``torch`` for other dtypes) and
+    ``torch`` elsewhere; it alone may fall back, warning once when a backend it would pick
+    cannot run. An explicit backend that cannot run raises ``RuntimeError`` saying why.
+    ``dtype`` is the sources' dtype (None: not checked).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -65,11 +80,21 @@ def resolve_backend(backend: str, *, device_type: str = "cpu", per_token_query: 
         if problem:
             raise RuntimeError(f"backend='triton' cannot run: {problem}")
         return "triton"
+    if backend == "cpu":
+        problem = _cpu_problem(device_type, dtype)
+        if problem:
+            raise RuntimeError(f"backend='cpu' cannot run: {problem}")
+        return "cpu"
     if backend == "auto" and device_type == "cuda":
         problem = _triton_problem(device_type, score, key_norm)
         if problem is None:
             return "triton"
         warn_once(f"depth_attention: using the torch backend on CUDA because {problem}")
+    if backend == "auto" and device_type == "cpu" and dtype in CPU_DTYPES and not torch.compiler.is_compiling():
+        problem = build_problem()
+        if problem is None:
+            return "cpu"
+        warn_once(f"depth_attention: using the torch backend on CPU because {problem}")
     return "torch"
 
 
@@ -80,8 +105,10 @@ def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, sc
     one query at a time).
     ``inv_rms``: each source's cached ``inverse_rms`` (or None); the Triton kernels normalize
     inside and do not need it. ``norm = (weight, eps)``: return the first output through
-    ``rms_norm`` (fused into the op on the ``torch`` backend, applied after it on Triton)."""
-    chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm)
+    ``rms_norm`` (fused into the op on the ``torch`` and ``cpu`` backends, applied after it on
+    Triton)."""
+    chosen = resolve_backend(backend, device_type=sources[0].device.type, score=score, key_norm=key_norm,
+                             dtype=sources[0].dtype)
     if chosen == "triton":
         from .triton_kernels import depth_attention_multi_triton
 
@@ -89,14 +116,16 @@ def multi_query_attention(queries, sources, gains=None, *, heads=1, eps=1e-6, sc
         if norm is not None:
             outs = (RMSNormFunction.apply(outs[0], *norm), *outs[1:])
         return outs, lse
-    return depth_attention_multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
-                                 inv_rms=inv_rms, norm=norm)
+    multi = depth_attention_multi_cpu if chosen == "cpu" else depth_attention_multi
+    return multi(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
+                 inv_rms=inv_rms, norm=norm)
 
 
 def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
           backend="auto"):
     """Phase 2 of the two-phase Block computation on the chosen backend (``ops.two_phase``)."""
-    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm)
+    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm,
+                             dtype=partial.dtype)
     if chosen == "triton":
         from .triton_kernels import merge_partial_triton
 
@@ -108,7 +137,8 @@ def merge_and_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, *, hea
                    score="softmax", key_norm=True, backend="auto"):
     """Phase 2 followed by the sublayer's pre-norm, ``rms_norm(merge(...), norm_weight, norm_eps)``;
     one fused op on the ``torch`` backend (``ops.two_phase.merge_norm``)."""
-    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm)
+    chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm,
+                             dtype=partial.dtype)
     if chosen == "triton":
         from .triton_kernels import merge_partial_triton
 
@@ -178,12 +208,13 @@ def depth_attention(
         score: ``"softmax"`` (the method) or ``"sigmoid"`` (SPEC section 9 ablation).
         key_norm: normalize keys with RMSNorm (``False`` is the SPEC section 9 ablation).
         backend: ``"naive"`` (the reference: stacks and normalizes every source), ``"torch"``
-            (memory-efficient autograd, ``ops.fused``), ``"triton"`` (fused kernels,
-            ``ops.triton_kernels``) or ``"auto"`` (Triton on CUDA, ``torch`` elsewhere; it alone
-            falls back, warning once). Returning the weights materializes them, so
+            (memory-efficient autograd, ``ops.fused``), ``"cpu"`` (the same op as fused C++
+            kernels, ``ops.cpu_kernels``), ``"triton"`` (fused kernels, ``ops.triton_kernels``)
+            or ``"auto"`` (Triton on CUDA, ``cpu`` for fp32/fp64 CPU tensors, else ``torch``;
+            it alone falls back, warning once). Returning the weights materializes them, so
             ``return_weights=True`` computes them on the reference path.
         inv_rms: optional per-source ``ops.inverse_rms`` ``[...]`` (entries may be None), so that
-            a source read by many sublayers is normalized once; used by the ``torch`` backend
+            a source read by many sublayers is normalized once; used by ``torch`` and ``cpu``
             (the others normalize inside, with the same result).
 
     Returns:
@@ -191,7 +222,7 @@ def depth_attention(
     """
     check_depth_inputs(query, sources, gain, heads, score)
     chosen = resolve_backend(backend, device_type=sources[0].device.type, per_token_query=query.ndim > 1,
-                             score=score, key_norm=key_norm)
+                             score=score, key_norm=key_norm, dtype=sources[0].dtype)
     if chosen != "naive" and not return_weights:
         outs, _ = multi_query_attention(
             query.unsqueeze(0), sources, None if gain is None else gain.unsqueeze(0),

@@ -88,6 +88,11 @@ def query_grads(d_qg, query, gain, needs_query, needs_gain):
     slice (the diagonal over ``(H, H')``); None where not needed."""
     S, H, _, dh = d_qg.shape
     d_qg = d_qg.diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(S, H * dh)
+    return split_query_grad(d_qg, query, gain, needs_query, needs_gain)
+
+
+def split_query_grad(d_qg, query, gain, needs_query, needs_gain):
+    """``(d_query, d_gain)`` ``[S, D]`` from ``d(query * gain)`` ``[S, D]``; None where not needed."""
     d_query = d_gain = None
     if needs_query:
         d_query = (d_qg if gain is None else d_qg * gain.to(d_qg.dtype)).to(query.dtype)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .cpu_kernels import mix_forward
 from .fused import compute_dtype, fold_gain, key_inverse_rms, mix_logits, scoring_weights, source_logits
 from .rmsnorm import rms_norm_forward
 
@@ -59,17 +60,23 @@ def mix_scored(
     *,
     score: str = "softmax",
     norm: tuple[torch.Tensor | None, float] | None = None,
+    kernels: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``S`` queries against ``sources`` from precomputed logits: ``(outs, lse)`` as
     ``depth_attention_multi`` returns them, ``S x [..., D]`` and ``[S, ..., H]``.
 
     ``scores[j]`` ``[..., S, H]`` holds source ``j``'s logits for the ``S`` queries
-    (``source_scores``). ``norm = (weight, eps)`` returns the first output through ``rms_norm``."""
+    (``source_scores``). ``norm = (weight, eps)`` returns the first output through ``rms_norm``.
+    ``kernels``: the softmax, the sums and the norm in one pass of the CPU kernels
+    (``ops.cpu_kernels``; fp32/fp64 CPU sources)."""
     if len(scores) != len(sources):
         raise ValueError(f"{len(scores)} score tensors for {len(sources)} sources")
     lead, D = sources[0].shape[:-1], sources[0].shape[-1]
     S, H = scores[0].shape[-2:]
     logits = torch.stack([s.expand(*lead, S, H) for s in scores]).movedim(-2, 1)  # [N, S, ..., H]
+    if kernels:
+        outs, lse, _, _ = mix_forward(sources, None, None, H, score, False, norm, logits=logits)
+        return outs, lse
     few_tokens = lead.numel() <= FEW_TOKENS
     outs, lse = mix_logits(logits, sources, score, lead, H, D // H, stacked=few_tokens)
     if norm is not None:

@@ -45,8 +45,8 @@ class DepthRoutingStream(Stream):
             ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized).
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
         key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
-        backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"torch"``,
-            ``"triton"`` or ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
+        backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"cpu"``,
+            ``"torch"``, ``"triton"`` or ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
     """
 
     options = ("heads", "query", "score", "key_norm", "backend")
@@ -96,22 +96,26 @@ class DepthRoutingStream(Stream):
             names.add("key_gains")
         return names
 
+    def _chosen_backend(self, v: torch.Tensor) -> str:
+        """The backend that routes sources like ``v`` (``ops.resolve_backend``)."""
+        return resolve_backend(self.backend, device_type=v.device.type, score=self.score,
+                               key_norm=self.key_norm, dtype=v.dtype)
+
     def key_stats(self, v: torch.Tensor) -> torch.Tensor | None:
         """The inverse RMS ``[...]`` of a new source ``v``, computed once and shared by every read
         of it (SPEC section 11: normalize each source once), or None where no read would use it
         (no key norm, tracing, or a backend that normalizes inside its kernel)."""
         if not self.key_norm or self.trace is not None:
             return None
-        chosen = resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=True)
-        return inverse_rms(v, self.eps) if chosen == "torch" else None
+        return inverse_rms(v, self.eps) if self._chosen_backend(v) in ("torch", "cpu") else None
 
     def scores_ahead(self, v: torch.Tensor, first_site: int, stats: torch.Tensor | None) -> torch.Tensor | None:
-        """With autograd off on the ``torch`` backend (the inference path): the logits
+        """With autograd off on the ``torch`` or ``cpu`` backend (the inference path): the logits
         ``[..., M + 1 - first_site, H]`` of a new source ``v`` for every site from
         ``first_site`` on, computed once (``ops.source_scores``); otherwise None."""
         if torch.is_grad_enabled():
             return None
-        if resolve_backend(self.backend, device_type=v.device.type, score=self.score, key_norm=self.key_norm) != "torch":
+        if self._chosen_backend(v) not in ("torch", "cpu"):
             return None
         gains = None if self.key_gains is None else self.key_gains[first_site:]
         return source_scores(v, self.pseudo_queries[first_site:], gains, heads=self.heads, eps=self.eps,
@@ -288,7 +292,8 @@ class BlockRoutingStream(DepthRoutingStream):
             # this block's sites are the same rows counted from the end
             end = self.num_sublayers + 1
             rows = [s[..., first_site - end:last - end or None, :] for s in state.scores]
-            out, lse = mix_scored(rows, list(state.blocks), score=self.score, norm=norm)
+            kernels = self._chosen_backend(state.blocks[0]) == "cpu"
+            out, lse = mix_scored(rows, list(state.blocks), score=self.score, norm=norm, kernels=kernels)
         else:
             out, lse = multi_query_attention(
                 self.pseudo_queries[first_site:last], list(state.blocks), gains,

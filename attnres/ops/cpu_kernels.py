@@ -1,0 +1,201 @@
+"""Fused depth attention for CPU tensors (the ``cpu`` backend).
+
+The same op as ``ops.fused.DepthAttentionFunction`` (``S`` queries against a list of sources
+that is never stacked, the first output optionally through its sublayer's pre-norm), with the
+per-token work done by one C++/OpenMP kernel per pass (``csrc/depth_attention_cpu.cpp``, built
+on first use by ``ops.cpu_build``): a token's rows of every source stay in cache while its
+logits, softmax, weighted sums and all gradient terms are computed, so forward reads each
+source once and backward once, where the PyTorch path makes a pass over ``[tokens, D]`` memory
+per product and sum.
+
+What it keeps for backward: references to the sources, their inverse RMS, the logits
+``[N, S, ..., H]`` and ``lse`` ``[S, ..., H]`` (numbers per token, as the PyTorch path) and,
+with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of its own (backward
+recomputes the first output when its norm needs it).
+
+Takes fp32 or fp64 sources (the math runs in their dtype); others run on the ``torch`` backend.
+Shapes: queries and gains ``[S, D]``, sources ``N x [..., D]``, inverse RMS ``N x [...]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from .cpu_build import load_library
+from .fused import fold_gain, key_inverse_rms, split_query_grad
+
+DTYPES = (torch.float32, torch.float64)
+
+_P = ctypes.POINTER
+
+
+class _DepthArgs(ctypes.Structure):
+    """Mirror of ``DepthArgs`` in the C++ source (field order and types must match)."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_int64), ("dim", ctypes.c_int64), ("n_src", ctypes.c_int64),
+        ("n_q", ctypes.c_int64), ("heads", ctypes.c_int64),
+        ("src", _P(ctypes.c_void_p)), ("src_stride", _P(ctypes.c_int64)),
+        ("rinv", _P(ctypes.c_void_p)), ("rinv_stride", _P(ctypes.c_int64)),
+        ("qg", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("outs", _P(ctypes.c_void_p)),
+        ("norm_w", ctypes.c_void_p), ("norm_rr", ctypes.c_void_p), ("norm_eps", ctypes.c_double),
+        ("g_out", _P(ctypes.c_void_p)), ("g_lse", ctypes.c_void_p), ("d_src", _P(ctypes.c_void_p)),
+        ("d_qg", ctypes.c_void_p), ("d_norm_w", ctypes.c_void_p),
+        ("key_norm", ctypes.c_int32), ("sigmoid", ctypes.c_int32), ("logits_given", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ptrs(tensors: Sequence[torch.Tensor | None]):
+    return (ctypes.c_void_p * len(tensors))(*[_ptr(t) for t in tensors])
+
+
+def _strides(values: Sequence[int]):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _as_rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """``t`` as rows of ``width`` numbers per token (1 for a number per token) and the row
+    stride: ``width`` when contiguous, 0 when one row is broadcast to every token (Delta's null
+    source, expanded), else a contiguous copy."""
+    if t.is_contiguous():
+        return t, width
+    token_strides = t.stride()[:-1] if width > 1 else t.stride()
+    if (width == 1 or t.stride(-1) == 1) and all(s == 0 for s in token_strides):
+        return t, 0
+    return t.contiguous(), width
+
+
+def _call(name: str, dtype: torch.dtype, args: _DepthArgs) -> None:
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    getattr(load_library(), f"attnres_depth_{name}_{suffix}")(ctypes.byref(args))
+
+
+def _args(sources, inv_rms, qg, heads, score, key_norm, logits, lse) -> tuple[_DepthArgs, list]:
+    """The kernel arguments shared by forward and backward, and the tensors they point into
+    (kept alive by the caller for the call's duration)."""
+    D = sources[0].shape[-1]
+    rows = [_as_rows(v, D) for v in sources]
+    rinv = [_as_rows(r, 1) for r in inv_rms] if key_norm else []
+    args = _DepthArgs(
+        tokens=sources[0].numel() // D, dim=D, n_src=len(sources), n_q=logits.shape[1], heads=heads,
+        src=_ptrs([v for v, _ in rows]), src_stride=_strides([s for _, s in rows]),
+        rinv=_ptrs([r for r, _ in rinv]) if key_norm else None,
+        rinv_stride=_strides([s for _, s in rinv]) if key_norm else None,
+        qg=_ptr(qg), logits=logits.data_ptr(), lse=lse.data_ptr(),
+        key_norm=int(key_norm), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
+    )
+    return args, [rows, rinv, qg, logits, lse]
+
+
+def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=None):
+    """``(outs, lse, logits, norm_rr)`` of ``S`` queries: ``outs`` ``S x [..., D]``, ``lse``
+    ``[S, ..., H]``, ``logits`` ``[N, S, ..., H]``, and with ``norm = (weight, eps)`` the first
+    output normalized (``rms_norm``) and its inverse RMS ``[..., 1]`` (else None).
+
+    ``qg`` ``[S, D]`` holds the gain-folded queries in the sources' dtype. Given ``logits``
+    (precomputed by ``ops.source_scores``, in the sources' dtype) are used as they are, and then
+    ``qg`` and ``inv_rms`` are not read (pass None and ``key_norm=False``)."""
+    dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
+    N = len(sources)
+    given = logits is not None
+    logits = logits.contiguous() if given else torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
+    S = logits.shape[1]
+    lse = torch.empty(S, *lead, heads, dtype=dt)
+    outs = [torch.empty(*lead, D, dtype=dt) for _ in range(S)]
+    args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm, logits, lse)
+    args.outs = _ptrs(outs)
+    args.logits_given = int(given)
+    norm_rr = None
+    if norm is not None:
+        weight, norm_eps = norm
+        weight = None if weight is None else weight.to(dt).contiguous()
+        norm_rr = torch.empty(*lead, 1, dtype=dt)
+        args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
+        keep.append(weight)
+    _call("forward", dt, args)
+    return tuple(outs), lse, logits, norm_rr
+
+
+class CpuDepthAttentionFunction(torch.autograd.Function):
+    """``ops.fused.DepthAttentionFunction`` on the kernels: the same inputs and outputs."""
+
+    @staticmethod
+    def forward(ctx, queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *tensors):
+        sources, cached = tensors[:n], tensors[n:]
+        dt = sources[0].dtype
+        inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, cached)] if key_norm else []
+        qg = fold_gain(queries, gains, dt).contiguous()
+        norm = None if norm_eps is None else (norm_weight, norm_eps)
+        outs, lse, logits, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm)
+        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, *inv_rms, *sources)
+        ctx.config = (heads, score, key_norm, n, norm_eps)
+        ctx.set_materialize_grads(False)
+        if score != "softmax":
+            ctx.mark_non_differentiable(lse)
+        return (*outs, lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        queries, gains, norm_weight, norm_rr, lse, logits, *rest = ctx.saved_tensors
+        heads, score, key_norm, n, norm_eps = ctx.config
+        inv_rms, sources = (rest[:n], rest[n:]) if key_norm else ([], rest)
+        S, D = queries.shape
+        dt, lead = sources[0].dtype, sources[0].shape[:-1]
+        g_outs = [None if g is None else g.to(dt).contiguous() for g in grads[:S]]
+        g_lse = grads[S]
+        need_src = ctx.needs_input_grad[9:9 + n]
+        need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
+        need_w = norm_rr is not None and norm_weight is not None and ctx.needs_input_grad[2] and grads[0] is not None
+        threads = torch.get_num_threads()
+        qg = fold_gain(queries, gains, dt).contiguous()
+        d_src = [torch.empty(*lead, D, dtype=dt) if need else None for need in need_src]
+        d_qg = torch.zeros(threads, S, D, dtype=dt) if need_q else None
+        d_norm_w = torch.zeros(threads, D, dtype=dt) if need_w else None
+        g_lse = None if g_lse is None else g_lse.to(dt).contiguous()
+        weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
+        args, keep = _args(sources, inv_rms, qg, heads, score, key_norm, logits, lse)
+        args.g_out, args.g_lse, args.d_src = _ptrs(g_outs), _ptr(g_lse), _ptrs(d_src)
+        args.d_qg, args.d_norm_w = _ptr(d_qg), _ptr(d_norm_w)
+        if norm_rr is not None:
+            args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
+        args.threads = threads
+        _call("backward", dt, args)
+        del keep
+        d_queries = d_gains = None
+        if need_q:
+            d_queries, d_gains = split_query_grad(d_qg.sum(0), queries, gains, *ctx.needs_input_grad[:2])
+        d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
+        return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
+
+
+def depth_attention_multi_cpu(
+    queries: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    gains: torch.Tensor | None = None,
+    *,
+    heads: int = 1,
+    eps: float = 1e-6,
+    score: str = "softmax",
+    key_norm: bool = True,
+    inv_rms: Sequence[torch.Tensor | None] | None = None,
+    norm: tuple[torch.Tensor | None, float] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``ops.fused.depth_attention_multi`` on the CPU kernels: the same arguments and results."""
+    n = len(sources)
+    cached = list(inv_rms) if inv_rms is not None and key_norm else [None] * n
+    if len(cached) != n:
+        raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
+    norm_weight, norm_eps = norm if norm is not None else (None, None)
+    *outs, lse = CpuDepthAttentionFunction.apply(
+        queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached
+    )
+    return tuple(outs), lse

@@ -1,0 +1,293 @@
+// Fused depth attention for CPU tensors: one pass over the tokens, every source row read once.
+//
+// The PyTorch path (ops/fused.py) runs each product and sum as its own op over [tokens, D]
+// tensors, so a source is read about twice in forward and six times in backward, and every
+// intermediate is written to memory and read back. Here each token is one unit of work: the
+// rows of all sources of a token (N x D numbers, a few KiB) stay in cache while the logits,
+// the softmax, the weighted sums and, in backward, every gradient term are computed from them.
+//
+// Notation (per token t, source j, query s, head h; a head's slice is D / H numbers):
+//   logit[j,s,h] = r_j * (qg_s[h] . v_j[h])          r_j = rsqrt(mean(v_j^2) + eps), or 1
+//   p[j,s,h]     = softmax_j(logit) (or sigmoid)     lse[s,h] = logsumexp_j(logit) (or 0)
+//   out_s[h]     = sum_j p[j,s,h] v_j[h]
+// Query 0's output optionally goes through the next sublayer's RMSNorm (y = (out * rr) * w).
+//
+// Layouts: sources N pointers to [T, D] rows (row stride D, or 0 for one row shared by every
+// token); logits [N, S, T, H]; lse [S, T, H]; outputs and gradients [T, D]; per-thread partial
+// sums [threads, ...] (reduced by the caller). All floating-point arrays share one type F.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct DepthArgs {
+  int64_t tokens, dim, n_src, n_q, heads;
+  const void* const* src;      // n_src pointers to rows of dim numbers
+  const int64_t* src_stride;   // per source: row stride (dim, or 0)
+  const void* const* rinv;     // per source: inverse RMS per token (unused without key norm)
+  const int64_t* rinv_stride;  // per source: 1, or 0
+  const void* qg;              // [S, D] queries with the key-norm gain folded in
+  void* logits;                // [N, S, T, H]: written by forward, read by backward
+  void* lse;                   // [S, T, H]
+  void* const* outs;           // forward: S pointers to [T, D]
+  const void* norm_w;          // [D] gain of query 0's norm, or null (no gain)
+  void* norm_rr;               // [T] inverse RMS of out_0 (null: no fused norm)
+  double norm_eps;
+  const void* const* g_out;    // backward: S pointers to dL/d(output s), null where unused
+  const void* g_lse;           // [S, T, H] or null
+  void* const* d_src;          // backward: N pointers to [T, D], null where not needed
+  void* d_qg;                  // [threads, S, D] partial sums, or null
+  void* d_norm_w;              // [threads, D] partial sums, or null
+  int32_t key_norm, sigmoid, logits_given, threads;
+};
+
+// 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON/SSE
+// registers elsewhere) for the dot products, whose partial sums an array would keep in memory.
+template <typename F>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename F>
+using Vec = typename VecOf<F>::type;
+
+template <typename F>
+inline Vec<F> load(const F* p) {  // unaligned
+  Vec<F> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Four independent partial sums: one accumulator would wait on the latency of every add.
+template <typename F>
+inline F dot(const F* a, const F* b, int64_t n) {
+  constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);
+  Vec<F> s0 = {}, s1 = {}, s2 = {}, s3 = {};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    s0 += load(a + i) * load(b + i);
+    s1 += load(a + i + W) * load(b + i + W);
+    s2 += load(a + i + 2 * W) * load(b + i + 2 * W);
+    s3 += load(a + i + 3 * W) * load(b + i + 3 * W);
+  }
+  for (; i + W <= n; i += W) s0 += load(a + i) * load(b + i);
+  const Vec<F> s = (s0 + s1) + (s2 + s3);
+  F acc = 0;
+  for (int64_t k = 0; k < W; ++k) acc += s[k];
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+template <typename F>
+inline void axpy(F alpha, const F* x, F* y, int64_t n) {  // y += alpha * x
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+template <typename F>
+inline void scale(F alpha, const F* x, F* y, int64_t n) {  // y = alpha * x
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = alpha * x[i];
+}
+
+template <typename F>
+inline F sigmoid(F x) {
+  return F(1) / (F(1) + std::exp(-x));
+}
+
+// The softmax (or sigmoid) weights p[j,s,h] of token t from its logits; writes lse in forward.
+template <typename F>
+void weights(const DepthArgs& a, const F* logits, F* lse_out, const F* lse_in, int64_t t, F* p) {
+  const int64_t T = a.tokens, N = a.n_src, S = a.n_q, H = a.heads;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      auto logit = [&](int64_t j) { return logits[((j * S + s) * T + t) * H + h]; };
+      auto at = [&](int64_t j) -> F& { return p[(j * S + s) * H + h]; };
+      if (a.sigmoid) {
+        for (int64_t j = 0; j < N; ++j) at(j) = sigmoid(logit(j));
+        if (lse_out) lse_out[(s * T + t) * H + h] = 0;
+        continue;
+      }
+      F lse;
+      if (lse_in) {
+        lse = lse_in[(s * T + t) * H + h];
+      } else {
+        F m = logit(0);
+        for (int64_t j = 1; j < N; ++j) m = logit(j) > m ? logit(j) : m;
+        F sum = 0;
+        for (int64_t j = 0; j < N; ++j) sum += std::exp(logit(j) - m);
+        lse = m + std::log(sum);
+        lse_out[(s * T + t) * H + h] = lse;
+      }
+      for (int64_t j = 0; j < N; ++j) at(j) = std::exp(logit(j) - lse);
+    }
+  }
+}
+
+template <typename F>
+inline const F* row(const DepthArgs& a, int64_t j, int64_t t) {
+  return static_cast<const F*>(a.src[j]) + t * a.src_stride[j];
+}
+
+template <typename F>
+inline F inv_rms(const DepthArgs& a, int64_t j, int64_t t) {
+  return a.key_norm ? static_cast<const F*>(a.rinv[j])[t * a.rinv_stride[j]] : F(1);
+}
+
+// out[h] = sum_j p[j,s,h] v_j[h] for query s of token t (sources in order, as the PyTorch path).
+template <typename F>
+void mix_row(const DepthArgs& a, const F* p, int64_t s, int64_t t, F* out) {
+  const int64_t N = a.n_src, S = a.n_q, H = a.heads, dh = a.dim / a.heads;
+  for (int64_t h = 0; h < H; ++h) {
+    scale(p[s * H + h], row<F>(a, 0, t) + h * dh, out + h * dh, dh);
+    for (int64_t j = 1; j < N; ++j) axpy(p[(j * S + s) * H + h], row<F>(a, j, t) + h * dh, out + h * dh, dh);
+  }
+}
+
+template <typename F>
+void forward(const DepthArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
+  F* logits = static_cast<F*>(a.logits);
+  const F* qg = static_cast<const F*>(a.qg);
+  const F* norm_w = static_cast<const F*>(a.norm_w);
+  F* norm_rr = static_cast<F*>(a.norm_rr);
+#pragma omp parallel num_threads(a.threads)
+  {
+    std::vector<F> p(N * S * H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      if (!a.logits_given) {
+        for (int64_t j = 0; j < N; ++j) {
+          const F* v = row<F>(a, j, t);
+          const F r = inv_rms<F>(a, j, t);
+          for (int64_t s = 0; s < S; ++s)
+            for (int64_t h = 0; h < H; ++h)
+              logits[((j * S + s) * T + t) * H + h] = r * dot(qg + s * D + h * dh, v + h * dh, dh);
+        }
+      }
+      weights<F>(a, logits, static_cast<F*>(a.lse), nullptr, t, p.data());
+      for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
+      if (norm_rr) {  // query 0's output through RMSNorm, in place: (out * rr) * w
+        F* o = static_cast<F*>(a.outs[0]) + t * D;
+        const F rr = F(1) / std::sqrt(dot(o, o, D) / F(D) + F(a.norm_eps));
+        norm_rr[t] = rr;
+        if (norm_w) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = (o[d] * rr) * norm_w[d];
+        } else {
+          scale(rr, o, o, D);
+        }
+      }
+    }
+  }
+}
+
+template <typename F>
+void backward(const DepthArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
+  const F* logits = static_cast<const F*>(a.logits);
+  const F* lse = static_cast<const F*>(a.lse);
+  const F* g_lse = static_cast<const F*>(a.g_lse);
+  const F* qg = static_cast<const F*>(a.qg);
+  const F* norm_w = static_cast<const F*>(a.norm_w);
+  const F* norm_rr = static_cast<const F*>(a.norm_rr);
+#pragma omp parallel num_threads(a.threads)
+  {
+    const int tid = omp_get_thread_num();
+    F* d_qg = a.d_qg ? static_cast<F*>(a.d_qg) + tid * S * D : nullptr;
+    F* d_norm_w = a.d_norm_w ? static_cast<F*>(a.d_norm_w) + tid * D : nullptr;
+    std::vector<F> p(N * S * H), gv(N * S * H), ds(N * S * H), centre(S * H), out0(D), g0(D);
+    std::vector<const F*> g(S);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      weights<F>(a, logits, nullptr, a.sigmoid ? nullptr : lse, t, p.data());
+      for (int64_t s = 0; s < S; ++s) g[s] = a.g_out[s] ? static_cast<const F*>(a.g_out[s]) + t * D : nullptr;
+      if (norm_rr && g[0]) {
+        // query 0's norm: recompute out_0, then dx = rr (dxn - xn mean(dxn xn)) with
+        // xn = out_0 rr and dxn = dy w (w = 1 without a gain)
+        mix_row<F>(a, p.data(), 0, t, out0.data());
+        const F rr = norm_rr[t];
+        const F* dy = g[0];
+        F m = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const F xn = out0[d] * rr;
+          m += (norm_w ? dy[d] * norm_w[d] : dy[d]) * xn;
+          if (d_norm_w) d_norm_w[d] += dy[d] * xn;
+        }
+        m /= F(D);
+        for (int64_t d = 0; d < D; ++d) {
+          const F xn = out0[d] * rr;
+          g0[d] = rr * ((norm_w ? dy[d] * norm_w[d] : dy[d]) - xn * m);
+        }
+        g[0] = g0.data();
+      }
+      // g_s . v_j per head, and g_s . out_s = sum_j p (g_s . v_j)
+      for (int64_t j = 0; j < N; ++j) {
+        const F* v = row<F>(a, j, t);
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t h = 0; h < H; ++h)
+            gv[(j * S + s) * H + h] = g[s] ? dot(g[s] + h * dh, v + h * dh, dh) : F(0);
+      }
+      // d logit: softmax p (g . v_j - g . out + g_lse); sigmoid (g . v_j) p (1 - p)
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t h = 0; h < H; ++h) {
+          F c = 0;
+          for (int64_t j = 0; j < N; ++j) c += p[(j * S + s) * H + h] * gv[(j * S + s) * H + h];
+          if (g_lse) c -= g_lse[(s * T + t) * H + h];
+          centre[s * H + h] = c;
+        }
+      }
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t k = 0; k < S * H; ++k) {
+          const int64_t i = j * S * H + k;
+          ds[i] = a.sigmoid ? gv[i] * p[i] * (F(1) - p[i]) : p[i] * (gv[i] - centre[k]);
+        }
+      for (int64_t j = 0; j < N; ++j) {
+        const F* v = row<F>(a, j, t);
+        const F r = inv_rms<F>(a, j, t);
+        if (d_qg)  // d qg_s[h] += r ds v_j[h]
+          for (int64_t s = 0; s < S; ++s)
+            for (int64_t h = 0; h < H; ++h)
+              axpy(r * ds[(j * S + s) * H + h], v + h * dh, d_qg + s * D + h * dh, dh);
+        if (!a.d_src[j]) continue;
+        // dv_j = sum_s (r ds qg_s + p g_s) per head, + coef v_j through the inverse RMS:
+        // d r / d v = -r^3 v / D, so coef = -(r^2 / D) sum_{s,h} ds logit
+        F coef = 0;
+        if (a.key_norm) {
+          for (int64_t s = 0; s < S; ++s)
+            for (int64_t h = 0; h < H; ++h)
+              coef += ds[(j * S + s) * H + h] * logits[((j * S + s) * T + t) * H + h];
+          coef *= -r * r / F(D);
+        }
+        F* dv = static_cast<F*>(a.d_src[j]) + t * D;
+        for (int64_t h = 0; h < H; ++h) {
+          F* dvh = dv + h * dh;
+          scale(coef, v + h * dh, dvh, dh);
+          for (int64_t s = 0; s < S; ++s) {
+            const int64_t i = (j * S + s) * H + h;
+            axpy(r * ds[i], qg + s * D + h * dh, dvh, dh);
+            if (g[s]) axpy(p[i], g[s] + h * dh, dvh, dh);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+void attnres_depth_forward_f32(const DepthArgs* a) { forward<float>(*a); }
+void attnres_depth_forward_f64(const DepthArgs* a) { forward<double>(*a); }
+void attnres_depth_backward_f32(const DepthArgs* a) { backward<float>(*a); }
+void attnres_depth_backward_f64(const DepthArgs* a) { backward<double>(*a); }
+}

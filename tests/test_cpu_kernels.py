@@ -1,0 +1,225 @@
+"""The fused CPU kernels (``backend="cpu"``) against the naive twin and the PyTorch path:
+forward and every gradient, several head counts, odd shapes, the ablations, broadcast and
+strided sources, the fused pre-norm, the thread count; and how the backend is chosen."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from attnres import build_stream
+from attnres.ops import cpu_build, depth_attention, depth_attention_multi, resolve_backend
+from attnres.ops.cpu_kernels import depth_attention_multi_cpu
+
+from .test_fast_paths import SHAPES, assert_stream_matches_naive, grads, make
+
+ops_module = importlib.import_module("attnres.ops.depth_attention")
+
+
+@pytest.mark.parametrize("heads,dim,n,lead", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
+def test_cpu_backend_matches_naive(heads, dim, n, lead, dtype, tol):
+    query, gain, sources = make(dim, n, lead, dtype)
+    fast = depth_attention(query, sources, gain, heads=heads, backend="cpu")
+    ref = depth_attention(query, sources, gain, heads=heads, backend="naive")
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+    cot = torch.randn_like(ref)
+    for a, b in zip(grads(fast, [query, gain, *sources], cot), grads(ref, [query, gain, *sources], cot)):
+        torch.testing.assert_close(a, b, atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.parametrize("score,key_norm", [("sigmoid", True), ("softmax", False), ("sigmoid", False)])
+def test_cpu_backend_ablations_match_naive(score, key_norm):
+    query, gain, sources = make(12, 4, (3, 2), torch.float64)
+    gain = gain if key_norm else None
+    inputs = [query, *sources] + ([gain] if gain is not None else [])
+    kw = dict(heads=3, score=score, key_norm=key_norm)
+    fast = depth_attention(query, sources, gain, backend="cpu", **kw)
+    ref = depth_attention(query, sources, gain, backend="naive", **kw)
+    torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-12)
+    cot = torch.randn_like(ref)
+    for a, b in zip(grads(fast, inputs, cot), grads(ref, inputs, cot)):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_cpu_backend_gradcheck_fp64(heads):
+    query, gain, sources = make(12, 3, (2, 3), torch.float64, seed=heads)
+    assert torch.autograd.gradcheck(
+        lambda q, k, *s: depth_attention(q, list(s), k, heads=heads, backend="cpu"), (query, gain, *sources)
+    )
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("heads,queries,used", [(1, 1, (0,)), (2, 3, (0, 2)), (4, 2, (1,)), (3, 3, (0, 1, 2))])
+@pytest.mark.parametrize("norm", [False, True], ids=["", "norm"])
+def test_multi_query_equals_the_torch_path(score, heads, queries, used, norm):
+    """Several queries (phase 1 of a block), the lse output, outputs left unused, and the first
+    output through its fused pre-norm (with a gain that gets its gradient): every output and
+    every gradient equal the PyTorch path's."""
+    g = torch.Generator().manual_seed(heads * 10 + queries)
+    dt = torch.float64
+    sources = [(torch.randn(2, 5, 12, generator=g, dtype=dt) * (1 + j)).requires_grad_() for j in range(4)]
+    qs = torch.randn(queries, 12, generator=g, dtype=dt).requires_grad_()
+    ks = (1 + 0.2 * torch.randn(queries, 12, generator=g, dtype=dt)).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(12, generator=g, dtype=dt)).requires_grad_()
+    inputs = [qs, ks, weight, *sources]
+    results = []
+    for multi in (depth_attention_multi, depth_attention_multi_cpu):
+        outs, lse = multi(qs, sources, ks, heads=heads, score=score, norm=(weight, 1e-5) if norm else None)
+        picked = [outs[s] for s in used] + ([lse] if score == "softmax" else [])
+        cots = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k), dtype=dt) for k, t in enumerate(picked)]
+        results.append((outs, lse, grads(picked, inputs, cots)))
+    (a_outs, a_lse, a_grads), (b_outs, b_lse, b_grads) = results
+    for a, b in zip([*a_outs, a_lse], [*b_outs, b_lse]):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+    for a, b in zip(a_grads, b_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-11, rtol=1e-11)
+
+
+def test_fused_norm_gradcheck_fp64():
+    g = torch.Generator().manual_seed(3)
+    dt = torch.float64
+    sources = [torch.randn(3, 8, generator=g, dtype=dt).requires_grad_() for _ in range(3)]
+    qs = torch.randn(2, 8, generator=g, dtype=dt).requires_grad_()
+    ks = (1 + 0.2 * torch.randn(2, 8, generator=g, dtype=dt)).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
+
+    def fused(q, k, w, *src):
+        outs, lse = depth_attention_multi_cpu(q, list(src), k, heads=2, norm=(w, 1e-5))
+        return (*outs, lse)
+
+    assert torch.autograd.gradcheck(fused, (qs, ks, weight, *sources))
+
+
+def test_broadcast_and_strided_sources():
+    """A row shared by every token (Delta's null source, expanded) is read without a copy; a
+    strided source is read as a contiguous copy; both equal their contiguous twins, and the
+    broadcast row's gradient is the sum over tokens."""
+    g = torch.Generator().manual_seed(5)
+    dt = torch.float64
+    null = torch.randn(12, generator=g, dtype=dt).requires_grad_()
+    wide = torch.randn(2, 5, 24, generator=g, dtype=dt).requires_grad_()
+    plain = torch.randn(2, 5, 12, generator=g, dtype=dt).requires_grad_()
+    query = torch.randn(12, generator=g, dtype=dt).requires_grad_()
+    strided = wide[..., ::2]
+    sources = [null.expand(2, 5, 12), strided, plain]
+    twins = [null.expand(2, 5, 12).contiguous(), strided.contiguous(), plain]
+    fast = depth_attention(query, sources, heads=2, backend="cpu")
+    ref = depth_attention(query, twins, heads=2, backend="naive")
+    torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-12)
+    cot = torch.randn(ref.shape, generator=g, dtype=dt)
+    for a, b in zip(grads(fast, [query, null, wide, plain], cot), grads(ref, [query, null, wide, plain], cot)):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+def test_frozen_inputs_get_no_gradient():
+    query, gain, sources = make(8, 3, (4,), torch.float32)
+    gain.requires_grad_(False)
+    sources[1].requires_grad_(False)
+    out = depth_attention(query, sources, gain, heads=2, backend="cpu")
+    out.sum().backward()
+    assert gain.grad is None and sources[1].grad is None
+    assert query.grad is not None and sources[0].grad is not None
+
+
+def test_thread_count_does_not_change_the_result():
+    """Per-thread partial sums of the query and gain gradients, reduced after the kernel."""
+    query, gain, sources = make(16, 5, (67,), torch.float64)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = depth_attention(query, sources, gain, heads=4, backend="cpu")
+            results.append((out, *grads(out, [query, gain, *sources], torch.ones_like(out))))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["block", "delta"])
+@pytest.mark.parametrize("m,s,heads", [(7, 3, 1), (9, 2, 6)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
+def test_two_phase_stream_on_the_kernels_matches_naive(kind, m, s, heads, dtype, tol):
+    assert_stream_matches_naive(kind, dict(block_size=s, heads=heads, backend="cpu"), m, dtype, tol)
+
+
+def test_full_stream_on_the_kernels_matches_naive():
+    assert_stream_matches_naive("full", dict(heads=2, backend="cpu"), 6, torch.float64, 1e-12)
+
+
+def test_auto_picks_the_kernels_for_fp32_and_fp64_cpu_tensors():
+    for dtype in (torch.float32, torch.float64):
+        assert resolve_backend("auto", device_type="cpu", dtype=dtype) == "cpu"
+    assert resolve_backend("auto", device_type="cpu", dtype=torch.bfloat16) == "torch"
+    with pytest.raises(RuntimeError, match="backend='cpu' cannot run: .*float32 or float64.*bfloat16"):
+        resolve_backend("cpu", device_type="cpu", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="backend='cpu' cannot run: .*CPU tensors, got cuda"):
+        resolve_backend("cpu", device_type="cuda", dtype=torch.float32)
+    stream = build_stream("block", dim=8, num_sublayers=4, backend="cpu")
+    with torch.no_grad():  # bf16 sources: the explicit backend says why it cannot run
+        stream = stream.to(torch.bfloat16)
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            stream.init(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+def test_without_a_compiler_auto_warns_once_and_explicit_raises(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_build.load_library.cache_clear()
+    cpu_build.build_problem.cache_clear()
+    try:
+        query, gain, sources = make(8, 3, (4,), torch.float32)
+        ops_module._warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = depth_attention(query, sources, gain)
+            b = depth_attention(query, sources, gain)
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "torch backend on CPU" in messages[0] and "no-such-compiler" in messages[0]
+        torch.testing.assert_close(a, depth_attention(query, sources, gain, backend="torch"))
+        torch.testing.assert_close(a, b)
+        with pytest.raises(RuntimeError, match="backend='cpu' cannot run: no C\\+\\+ compiler"):
+            depth_attention(query, sources, gain, backend="cpu")
+    finally:
+        cpu_build.load_library.cache_clear()
+        cpu_build.build_problem.cache_clear()
+        ops_module._warned.clear()
+
+
+def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho 'fake-cxx 1.0'\n[ \"$1\" = --version ] && exit 0\necho 'error: no space' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_build.load_library.cache_clear()
+    cpu_build.build_problem.cache_clear()
+    try:
+        problem = cpu_build.build_problem()
+        assert "failed to compile depth_attention_cpu.cpp" in problem and "error: no space" in problem
+        assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
+    finally:
+        cpu_build.load_library.cache_clear()
+        cpu_build.build_problem.cache_clear()
+
+
+def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+    cpu_build.load_library.cache_clear()
+    try:
+        cpu_build.load_library()
+        built = list(tmp_path.glob("attnres_cpu_*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu_build.load_library.cache_clear()
+        cpu_build.load_library()  # found in the cache, not rebuilt
+        assert list(tmp_path.glob("attnres_cpu_*.so")) == built and built[0].stat().st_mtime_ns == stamp
+    finally:
+        cpu_build.load_library.cache_clear()
