@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnres import build_stream
-from attnres.ops import cpu_build, depth_attention, depth_attention_multi, resolve_backend
+from attnres.ops import cpu_build, depth_attention, depth_attention_multi, merge, merge_and_norm, resolve_backend
 from attnres.ops.cpu_kernels import depth_attention_multi_cpu
 
 from .test_fast_paths import SHAPES, assert_stream_matches_naive, grads, make
@@ -223,3 +223,51 @@ def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path)
         assert list(tmp_path.glob("attnres_cpu_*.so")) == built and built[0].stat().st_mtime_ns == stamp
     finally:
         cpu_build.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("norm", [False, True], ids=["", "norm"])
+def test_merge_equals_the_torch_path(score, key_norm, heads, norm):
+    """Phase 2 on the kernels, with and without the fused pre-norm: the output and the gradients
+    of all six inputs equal the PyTorch merge's, with autograd on and off."""
+    g = torch.Generator().manual_seed(heads + 10 * norm)
+    dt = torch.float64
+    o1 = torch.randn(2, 5, 12, generator=g, dtype=dt).requires_grad_()
+    lse1 = torch.randn(2, 5, heads, generator=g, dtype=dt).requires_grad_()
+    partial = (2 * torch.randn(2, 5, 12, generator=g, dtype=dt)).requires_grad_()
+    query = torch.randn(12, generator=g, dtype=dt).requires_grad_()
+    gain = (1 + 0.2 * torch.randn(12, generator=g, dtype=dt)).requires_grad_() if key_norm else None
+    weight = (1 + 0.3 * torch.randn(12, generator=g, dtype=dt)).requires_grad_()
+    inputs = [t for t in (o1, lse1, partial, query, gain, weight) if t is not None]
+    kw = dict(heads=heads, score=score, key_norm=key_norm)
+
+    def run(backend):
+        if norm:
+            return merge_and_norm(o1, lse1, partial, query, gain, weight, 1e-5, backend=backend, **kw)
+        return merge(o1, lse1, partial, query, gain, backend=backend, **kw)
+
+    fast, ref = run("cpu"), run("torch")
+    torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-12)
+    cot = torch.randn(ref.shape, generator=g, dtype=dt)
+    for a, b in zip(grads(fast, inputs, cot), grads(ref, inputs, cot)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+    with torch.no_grad():
+        torch.testing.assert_close(run("cpu"), ref, atol=1e-12, rtol=1e-12)
+
+
+def test_merge_gradcheck_fp64():
+    g = torch.Generator().manual_seed(11)
+    dt = torch.float64
+    o1 = torch.randn(3, 8, generator=g, dtype=dt).requires_grad_()
+    lse1 = torch.randn(3, 2, generator=g, dtype=dt).requires_grad_()
+    partial = torch.randn(3, 8, generator=g, dtype=dt).requires_grad_()
+    query = torch.randn(8, generator=g, dtype=dt).requires_grad_()
+    gain = (1 + 0.2 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda *t: merge_and_norm(*t[:5], t[5], 1e-5, heads=2, backend="cpu"), (o1, lse1, partial, query, gain, weight)
+    )
+    assert torch.autograd.gradcheck(lambda *t: merge(*t, heads=2, backend="cpu"), (o1, lse1, partial, query, gain))

@@ -1,4 +1,4 @@
-"""Fused depth attention for CPU tensors (the ``cpu`` backend).
+"""Fused depth attention and two-phase merge for CPU tensors (the ``cpu`` backend).
 
 The same op as ``ops.fused.DepthAttentionFunction`` (``S`` queries against a list of sources
 that is never stacked, the first output optionally through its sublayer's pre-norm), with the
@@ -12,6 +12,10 @@ What it keeps for backward: references to the sources, their inverse RMS, the lo
 ``[N, S, ..., H]`` and ``lse`` ``[S, ..., H]`` (numbers per token, as the PyTorch path) and,
 with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of its own (backward
 recomputes the first output when its norm needs it).
+
+The merge (phase 2 of the Block computation, ``ops.two_phase``) is one pass per direction too,
+with the next sublayer's pre-norm fused in the same way; it keeps ``h``, a reference to the
+partial sum and numbers per token, as the PyTorch merge does.
 
 Takes fp32 or fp64 sources (the math runs in their dtype); others run on the ``torch`` backend.
 Shapes: queries and gains ``[S, D]``, sources ``N x [..., D]``, inverse RMS ``N x [...]``.
@@ -74,9 +78,12 @@ def _as_rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     return t.contiguous(), width
 
 
+def _suffix(dtype: torch.dtype) -> str:
+    return "f32" if dtype == torch.float32 else "f64"
+
+
 def _call(name: str, dtype: torch.dtype, args: _DepthArgs) -> None:
-    suffix = "f32" if dtype == torch.float32 else "f64"
-    getattr(load_library(), f"attnres_depth_{name}_{suffix}")(ctypes.byref(args))
+    getattr(load_library(), f"attnres_depth_{name}_{_suffix(dtype)}")(ctypes.byref(args))
 
 
 def _args(sources, inv_rms, qg, heads, score, key_norm, logits, lse) -> tuple[_DepthArgs, list]:
@@ -199,3 +206,105 @@ def depth_attention_multi_cpu(
         queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached
     )
     return tuple(outs), lse
+
+
+class _MergeArgs(ctypes.Structure):
+    """Mirror of ``MergeArgs`` in the C++ source (field order and types must match)."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_int64), ("dim", ctypes.c_int64), ("heads", ctypes.c_int64),
+        ("o1", ctypes.c_void_p), ("lse1", ctypes.c_void_p), ("partial", ctypes.c_void_p),
+        ("qg", ctypes.c_void_p), ("eps", ctypes.c_double),
+        ("h", ctypes.c_void_p), ("y", ctypes.c_void_p), ("norm_w", ctypes.c_void_p),
+        ("norm_eps", ctypes.c_double), ("norm_rr", ctypes.c_void_p),
+        ("s2", ctypes.c_void_p), ("w", ctypes.c_void_p), ("r", ctypes.c_void_p),
+        ("g", ctypes.c_void_p), ("d_o1", ctypes.c_void_p), ("d_lse1", ctypes.c_void_p),
+        ("d_partial", ctypes.c_void_p), ("d_qg", ctypes.c_void_p), ("d_norm_w", ctypes.c_void_p),
+        ("key_norm", ctypes.c_int32), ("sigmoid", ctypes.c_int32), ("threads", ctypes.c_int32),
+    ]
+
+
+def _merge_args(o1, lse1, partial, qg, heads, eps, score, key_norm, weight, norm_eps) -> _MergeArgs:
+    D = partial.shape[-1]
+    return _MergeArgs(
+        tokens=partial.numel() // D, dim=D, heads=heads, o1=_ptr(o1), lse1=_ptr(lse1), partial=_ptr(partial),
+        qg=_ptr(qg), eps=eps, norm_w=_ptr(weight), norm_eps=0.0 if norm_eps is None else norm_eps,
+        key_norm=int(key_norm), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
+    )
+
+
+def _merge_inputs(o1, lse1, partial, query, gain, norm_weight):
+    """The merge's inputs in the partial's dtype, contiguous."""
+    dt = partial.dtype
+    return (o1.to(dt).contiguous(), lse1.to(dt).contiguous(), partial.contiguous(),
+            fold_gain(query, gain, dt).contiguous(), None if norm_weight is None else norm_weight.to(dt).contiguous())
+
+
+class CpuMergeFunction(torch.autograd.Function):
+    """``ops.two_phase.MergeFunction`` (``norm_eps`` None) and ``MergeNormFunction`` on the kernels."""
+
+    @staticmethod
+    def forward(ctx, o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm):
+        o1c, lse1c, partial, qg, weight = _merge_inputs(o1, lse1, partial, query, gain, norm_weight)
+        lead, D = partial.shape[:-1], partial.shape[-1]
+        dt = partial.dtype
+        h = torch.empty(*lead, D, dtype=dt)
+        y = None if norm_eps is None else torch.empty(*lead, D, dtype=dt)
+        s2, w = torch.empty(*lead, heads, dtype=dt), torch.empty(*lead, heads, dtype=dt)
+        r = torch.empty(*lead, dtype=dt) if key_norm else None
+        rr = None if norm_eps is None else torch.empty(*lead, dtype=dt)
+        args = _merge_args(o1c, lse1c, partial, qg, heads, eps, score, key_norm, weight, norm_eps)
+        args.h, args.y, args.norm_rr, args.s2, args.w, args.r = _ptr(h), _ptr(y), _ptr(rr), _ptr(s2), _ptr(w), _ptr(r)
+        getattr(load_library(), "attnres_merge_forward_" + _suffix(dt))(ctypes.byref(args))
+        ctx.save_for_backward(h, partial, query, gain, norm_weight, s2, w, r, rr)
+        ctx.config = (heads, eps, norm_eps, score, key_norm, o1.dtype, lse1.dtype)
+        return h if y is None else y
+
+    @staticmethod
+    def backward(ctx, g):
+        h, partial, query, gain, norm_weight, s2, w, r, rr = ctx.saved_tensors
+        heads, eps, norm_eps, score, key_norm, o1_dtype, lse1_dtype = ctx.config
+        needs = ctx.needs_input_grad
+        dt, lead, D = partial.dtype, partial.shape[:-1], partial.shape[-1]
+        threads = torch.get_num_threads()
+        qg = fold_gain(query, gain, dt).contiguous()
+        weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
+        need_q = needs[3] or (gain is not None and needs[4])
+        need_w = rr is not None and norm_weight is not None and needs[5]
+        d_o1 = torch.empty(*lead, D, dtype=dt) if needs[0] else None
+        d_lse1 = torch.empty(*lead, heads, dtype=dt) if needs[1] and score == "softmax" else None
+        d_partial = torch.empty(*lead, D, dtype=dt) if needs[2] else None
+        d_qg = torch.zeros(threads, D, dtype=dt) if need_q else None
+        d_norm_w = torch.zeros(threads, D, dtype=dt) if need_w else None
+        g = g.to(dt).contiguous()
+        args = _merge_args(None, None, partial, qg, heads, eps, score, key_norm, weight, norm_eps)
+        args.h, args.norm_rr, args.s2, args.w, args.r, args.g = _ptr(h), _ptr(rr), _ptr(s2), _ptr(w), _ptr(r), _ptr(g)
+        args.d_o1, args.d_lse1, args.d_partial = _ptr(d_o1), _ptr(d_lse1), _ptr(d_partial)
+        args.d_qg, args.d_norm_w, args.threads = _ptr(d_qg), _ptr(d_norm_w), threads
+        getattr(load_library(), "attnres_merge_backward_" + _suffix(dt))(ctypes.byref(args))
+        d_query = d_gain = None
+        if need_q:
+            d_query, d_gain = split_query_grad(d_qg.sum(0, keepdim=True), query[None], gain, needs[3], needs[4])
+            d_query = None if d_query is None else d_query[0]
+            d_gain = None if d_gain is None else d_gain[0]
+        d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
+        return (None if d_o1 is None else d_o1.to(o1_dtype), None if d_lse1 is None else d_lse1.to(lse1_dtype),
+                d_partial, d_query, d_gain, d_weight, None, None, None, None, None)
+
+
+def merge_cpu(o1, lse1, partial, query, gain=None, norm_weight=None, norm_eps=None, *, heads=1, eps=1e-6,
+              score="softmax", key_norm=True):
+    """``ops.two_phase.merge_partial`` (``norm_eps`` None) or ``merge_norm`` on the kernels:
+    ``h`` ``[..., D]``, or ``rms_norm(h, norm_weight, norm_eps)``. Without autograd nothing is
+    kept, and with the norm ``h`` is never written to memory."""
+    if torch.is_grad_enabled():
+        return CpuMergeFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm)
+    o1, lse1, partial, qg, weight = _merge_inputs(o1, lse1, partial, query, gain, norm_weight)
+    out = torch.empty_like(partial)
+    args = _merge_args(o1, lse1, partial, qg, heads, eps, score, key_norm, weight, norm_eps)
+    if norm_eps is None:
+        args.h = out.data_ptr()
+    else:
+        args.y = out.data_ptr()
+    getattr(load_library(), "attnres_merge_forward_" + _suffix(partial.dtype))(ctypes.byref(args))
+    return out

@@ -14,7 +14,7 @@ import torch
 
 from .cpu_build import build_problem
 from .cpu_kernels import DTYPES as CPU_DTYPES
-from .cpu_kernels import depth_attention_multi_cpu
+from .cpu_kernels import depth_attention_multi_cpu, merge_cpu
 from .fused import depth_attention_multi
 from .naive import depth_attention_naive
 from .rmsnorm import RMSNormFunction
@@ -130,13 +130,16 @@ def merge(o1, lse1, partial, query, gain=None, *, heads=1, eps=1e-6, score="soft
         from .triton_kernels import merge_partial_triton
 
         return merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
+    if chosen == "cpu":
+        return merge_cpu(o1, lse1, partial, query, gain, heads=heads, eps=eps, score=score, key_norm=key_norm)
     return merge_partial(o1, lse1, partial, query, gain, heads=heads, eps=eps, score=score, key_norm=key_norm)
 
 
 def merge_and_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, *, heads=1, eps=1e-6,
                    score="softmax", key_norm=True, backend="auto"):
     """Phase 2 followed by the sublayer's pre-norm, ``rms_norm(merge(...), norm_weight, norm_eps)``;
-    one fused op on the ``torch`` backend (``ops.two_phase.merge_norm``)."""
+    one fused op on the ``torch`` and ``cpu`` backends (``ops.two_phase.merge_norm``,
+    ``ops.cpu_kernels.merge_cpu``)."""
     chosen = resolve_backend(backend, device_type=partial.device.type, score=score, key_norm=key_norm,
                              dtype=partial.dtype)
     if chosen == "triton":
@@ -144,6 +147,9 @@ def merge_and_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, *, hea
 
         h = merge_partial_triton(o1, lse1, partial, query, gain, heads=heads, eps=eps)
         return RMSNormFunction.apply(h, norm_weight, norm_eps)
+    if chosen == "cpu":
+        return merge_cpu(o1, lse1, partial, query, gain, norm_weight, norm_eps, heads=heads, eps=eps, score=score,
+                         key_norm=key_norm)
     return merge_norm(o1, lse1, partial, query, gain, norm_weight, norm_eps, heads=heads, eps=eps,
                       score=score, key_norm=key_norm)
 

@@ -283,6 +283,145 @@ void backward(const DepthArgs& a) {
   }
 }
 
+// Phase 2 of the two-phase Block computation (ops/two_phase.py), per token and head:
+//   r = rsqrt(mean(P^2) + eps) (or 1), s2 = r (qg[h] . P[h]),
+//   softmax: w = sigmoid(lse1 - s2), h = lerp(P, o1, w);  sigmoid: w = sigmoid(s2), h = o1 + w P,
+// optionally followed by the next sublayer's RMSNorm, y = (h * rr) * norm_w.
+// Layouts: o1, partial, h, y and the gradients [T, D]; lse1, s2, w, d_lse1 [T, H]; r, rr [T].
+struct MergeArgs {
+  int64_t tokens, dim, heads;
+  const void* o1;
+  const void* lse1;
+  const void* partial;
+  const void* qg;     // [D]: query with the key-norm gain folded in
+  double eps;         // key norm
+  void* h;            // forward: the merged read (null: not kept; then y must be set)
+  void* y;            // forward: its norm (null: no fused norm)
+  const void* norm_w; // [D] or null (no gain)
+  double norm_eps;
+  void* norm_rr;      // [T]: written by forward, read by backward (null: no fused norm)
+  void* s2;           // [T, H] (null: not kept)
+  void* w;            // [T, H]
+  void* r;            // [T]
+  const void* g;      // backward: dL/dy with a fused norm, else dL/dh
+  void* d_o1;         // each gradient output may be null (not needed)
+  void* d_lse1;
+  void* d_partial;
+  void* d_qg;         // [threads, D] partial sums
+  void* d_norm_w;     // [threads, D] partial sums
+  int32_t key_norm, sigmoid, threads;
+};
+
+template <typename F>
+void merge_forward(const MergeArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
+  const F* qg = static_cast<const F*>(a.qg);
+  const F* norm_w = static_cast<const F*>(a.norm_w);
+#pragma omp parallel num_threads(a.threads)
+  {
+    std::vector<F> local(a.h ? 0 : D);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const F* P = static_cast<const F*>(a.partial) + t * D;
+      const F* o1 = static_cast<const F*>(a.o1) + t * D;
+      F* h = a.h ? static_cast<F*>(a.h) + t * D : local.data();
+      const F r = a.key_norm ? F(1) / std::sqrt(dot(P, P, D) / F(D) + F(a.eps)) : F(1);
+      if (a.r) static_cast<F*>(a.r)[t] = r;
+      for (int64_t k = 0; k < H; ++k) {
+        const F s2 = r * dot(qg + k * dh, P + k * dh, dh);
+        const F* Pk = P + k * dh;
+        const F* ok = o1 + k * dh;
+        F* hk = h + k * dh;
+        F w;
+        if (a.sigmoid) {
+          w = sigmoid(s2);
+#pragma omp simd
+          for (int64_t d = 0; d < dh; ++d) hk[d] = ok[d] + w * Pk[d];
+        } else {
+          w = sigmoid(static_cast<const F*>(a.lse1)[t * H + k] - s2);
+#pragma omp simd
+          for (int64_t d = 0; d < dh; ++d) hk[d] = Pk[d] + w * (ok[d] - Pk[d]);
+        }
+        if (a.s2) static_cast<F*>(a.s2)[t * H + k] = s2;
+        if (a.w) static_cast<F*>(a.w)[t * H + k] = w;
+      }
+      if (a.y) {
+        F* y = static_cast<F*>(a.y) + t * D;
+        const F rr = F(1) / std::sqrt(dot(h, h, D) / F(D) + F(a.norm_eps));
+        if (a.norm_rr) static_cast<F*>(a.norm_rr)[t] = rr;
+        if (norm_w) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) y[d] = (h[d] * rr) * norm_w[d];
+        } else {
+          scale(rr, h, y, D);
+        }
+      }
+    }
+  }
+}
+
+template <typename F>
+void merge_backward(const MergeArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
+  const F* qg = static_cast<const F*>(a.qg);
+  const F* norm_w = static_cast<const F*>(a.norm_w);
+#pragma omp parallel num_threads(a.threads)
+  {
+    const int tid = omp_get_thread_num();
+    F* d_qg = a.d_qg ? static_cast<F*>(a.d_qg) + tid * D : nullptr;
+    F* d_norm_w = a.d_norm_w ? static_cast<F*>(a.d_norm_w) + tid * D : nullptr;
+    std::vector<F> gh(D);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const F* P = static_cast<const F*>(a.partial) + t * D;
+      const F* h = static_cast<const F*>(a.h) + t * D;
+      const F* g = static_cast<const F*>(a.g) + t * D;
+      if (a.norm_rr) {  // the norm's backward: dh = rr (dxn - xn mean(dxn xn)), xn = h rr, dxn = dy w
+        const F rr = static_cast<const F*>(a.norm_rr)[t];
+        F m = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const F xn = h[d] * rr;
+          m += (norm_w ? g[d] * norm_w[d] : g[d]) * xn;
+          if (d_norm_w) d_norm_w[d] += g[d] * xn;
+        }
+        m /= F(D);
+        for (int64_t d = 0; d < D; ++d) gh[d] = rr * ((norm_w ? g[d] * norm_w[d] : g[d]) - h[d] * rr * m);
+        g = gh.data();
+      }
+      const F r = a.key_norm ? static_cast<const F*>(a.r)[t] : F(1);
+      F coef = 0;
+      F* dP = a.d_partial ? static_cast<F*>(a.d_partial) + t * D : nullptr;
+      F* do1 = a.d_o1 ? static_cast<F*>(a.d_o1) + t * D : nullptr;
+      for (int64_t k = 0; k < H; ++k) {
+        const F* gk = g + k * dh;
+        const F* Pk = P + k * dh;
+        const F w = static_cast<const F*>(a.w)[t * H + k];
+        F ds2, keep_o1, keep_P;  // d s2, and the weights of g in d o1 and d P
+        if (a.sigmoid) {
+          ds2 = dot(gk, Pk, dh) * w * (F(1) - w);
+          keep_o1 = F(1), keep_P = w;
+        } else {  // dz = w (1 - w) g . (o1 - P) = (1 - w) g . (h - P), z = lse1 - s2
+          const F dz = (dot(gk, h + k * dh, dh) - dot(gk, Pk, dh)) * (F(1) - w);
+          if (a.d_lse1) static_cast<F*>(a.d_lse1)[t * H + k] = dz;
+          ds2 = -dz;
+          keep_o1 = w, keep_P = F(1) - w;
+        }
+        const F c = ds2 * r;  // d raw logit
+        coef += ds2 * static_cast<const F*>(a.s2)[t * H + k];
+        if (do1) scale(keep_o1, gk, do1 + k * dh, dh);
+        if (dP) {
+          F* dPk = dP + k * dh;
+          const F* qk = qg + k * dh;
+#pragma omp simd
+          for (int64_t d = 0; d < dh; ++d) dPk[d] = keep_P * gk[d] + c * qk[d];
+        }
+        if (d_qg) axpy(c, Pk, d_qg + k * dh, dh);
+      }
+      if (dP && a.key_norm) axpy(-coef * r * r / F(D), P, dP, D);  // d r / d P = -r^3 P / D
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -290,4 +429,8 @@ void attnres_depth_forward_f32(const DepthArgs* a) { forward<float>(*a); }
 void attnres_depth_forward_f64(const DepthArgs* a) { forward<double>(*a); }
 void attnres_depth_backward_f32(const DepthArgs* a) { backward<float>(*a); }
 void attnres_depth_backward_f64(const DepthArgs* a) { backward<double>(*a); }
+void attnres_merge_forward_f32(const MergeArgs* a) { merge_forward<float>(*a); }
+void attnres_merge_forward_f64(const MergeArgs* a) { merge_forward<double>(*a); }
+void attnres_merge_backward_f32(const MergeArgs* a) { merge_backward<float>(*a); }
+void attnres_merge_backward_f64(const MergeArgs* a) { merge_backward<double>(*a); }
 }
