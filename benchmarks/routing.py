@@ -1,7 +1,8 @@
 """Routing microbenchmark: M sublayers of cheap work, so that depth routing dominates.
 
-Full and Block AttnRes (8 blocks), forward + backward, three implementations:
-  fast      the default path (memory-efficient autograd; two-phase for Block)
+Full and Block AttnRes (8 blocks), forward + backward, four implementations:
+  cpu       the fused CPU kernels (backend="cpu", what "auto" picks on CPU; two-phase for Block)
+  fast      the PyTorch fast path (backend="torch": memory-efficient autograd; two-phase for Block)
   naive     the stacked reference: sources stacked and normalized at every read (SPEC section 11)
   compiled  torch.compile(naive)
 Time ratios are against ``naive`` of the same design, in the same run. Memory growth per
@@ -9,6 +10,7 @@ variant in a fresh process; a sweep over M shows how Block's memory grows.
 
     python benchmarks/routing.py                       # M=32, 2048 tokens, D=1024
     python benchmarks/routing.py --sweep 16 32 64      # memory of Block (fast) over M
+    python benchmarks/routing.py --designs block --impls cpu fast naive
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from common import child_memory, interleaved, machine, print_table, ratio_summar
 from attnres import build_stream  # noqa: E402
 
 IMPLS = {
+    "cpu": dict(backend="cpu"),
     "fast": dict(backend="torch"),
     "naive": dict(backend="naive", two_phase=False),
     "compiled": dict(backend="naive", two_phase=False),
@@ -86,14 +89,19 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sweep", type=int, nargs="*", default=None)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--designs", nargs="*", default=["block", "full"], choices=["block", "full"])
+    p.add_argument("--impls", nargs="*", default=None, choices=list(IMPLS),
+                   help="default: cpu fast naive compiled (naive is always measured: it is the baseline)")
     p.add_argument("--child")
     args = p.parse_args()
     if args.child:
         return child(args.child, args)
-    impls = ["fast", "naive"] + ([] if args.no_compile else ["compiled"])
+    impls = args.impls or ["cpu", "fast", "naive"] + ([] if args.no_compile else ["compiled"])
+    if "naive" not in impls:
+        impls.append("naive")
     print(f"# routing: M={args.m}, tokens={args.tokens}, D={args.dim}; {machine()}")
     rows = []
-    for kind in ("block", "full"):
+    for kind in args.designs:
         steps = {impl: build(kind, impl, args.dim, args.m, args.tokens) for impl in impls}
         summary = ratio_summary(interleaved(steps, args.rounds, warmup=1), "naive")
         mem = {impl: child_memory(__file__, f"{kind}:{impl}:{args.m}", ["--dim", str(args.dim), "--tokens", str(args.tokens)]) for impl in impls}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import child_memory, interleaved, machine, print_table, ratio_summary, report_child, rss_mib, write_csv  # noqa: E402
+from common import allocator, child_memory, interleaved, machine, print_table, ratio_summary, report_child, rss_mib, write_csv  # noqa: E402
 from plain_lm import PlainLM  # noqa: E402
 
 from attnres import ModelConfig, Transformer, param_groups  # noqa: E402
@@ -101,7 +101,7 @@ def main():
         for v in variants
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
-    write_csv("train_step", rows)
+    write_csv("train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed", rows)
 
 
 if __name__ == "__main__":
