@@ -115,7 +115,8 @@ def main():
             ))
     cols = ["design", "impl", "M", "median_ms", "time_vs_naive", "spread", "mem_growth_mib", "mem_vs_naive"]
     print_table(rows, cols)
-    write_csv("routing", rows)
+    selected = args.designs != ["block", "full"] or args.impls is not None
+    write_csv(f"routing_{'-'.join(args.designs)}_{'-'.join(impls)}" if selected else "routing", rows)
     if args.sweep:
         sweep = []
         for m in args.sweep:

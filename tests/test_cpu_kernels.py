@@ -271,3 +271,33 @@ def test_merge_gradcheck_fp64():
         lambda *t: merge_and_norm(*t[:5], t[5], 1e-5, heads=2, backend="cpu"), (o1, lse1, partial, query, gain, weight)
     )
     assert torch.autograd.gradcheck(lambda *t: merge(*t, heads=2, backend="cpu"), (o1, lse1, partial, query, gain))
+
+
+def test_sources_of_mixed_dtypes_are_read_in_the_first_ones():
+    """The kernels read every source through the first one's pointer type: others are converted
+    (and their gradients come back in their own dtype), as the PyTorch path converts them. (That
+    path takes an fp32 source's key norm in fp32, hence fp32 tolerances.)"""
+    query, gain, sources = make(12, 3, (2, 5), torch.float64)
+    sources[1] = sources[1].detach().float().requires_grad_()
+    fast = depth_attention(query, sources, gain, heads=3, backend="cpu")
+    ref = depth_attention(query, sources, gain, heads=3, backend="torch")
+    assert fast.dtype == ref.dtype == torch.float64
+    torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+    cot = torch.randn_like(ref)
+    for a, b in zip(grads(fast, [query, gain, *sources], cot), grads(ref, [query, gain, *sources], cot)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_an_unwritable_cache_is_a_build_problem_not_a_crash(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(blocked / "cache"))
+    cpu_build.load_library.cache_clear()
+    cpu_build.build_problem.cache_clear()
+    try:
+        problem = cpu_build.build_problem()
+        assert problem is not None and "cannot write the kernel cache" in problem and "ATTNRES_CACHE_DIR" in problem
+    finally:
+        cpu_build.load_library.cache_clear()
+        cpu_build.build_problem.cache_clear()

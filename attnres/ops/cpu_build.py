@@ -65,14 +65,19 @@ def _build_key(compiler: str) -> str:
 
 
 def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as err:
+        raise BuildError(f"cannot write the kernel cache {target.parent} ({err}); set ATTNRES_CACHE_DIR") from err
     try:
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise BuildError(f"{compiler} failed to compile {SOURCE.name}:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise BuildError(f"running {compiler} on {SOURCE.name} failed: {err}") from err
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

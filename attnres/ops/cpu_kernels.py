@@ -78,6 +78,11 @@ def _as_rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     return t.contiguous(), width
 
 
+def in_dtype(sources: Sequence[torch.Tensor], dt: torch.dtype) -> list[torch.Tensor]:
+    """The sources in one dtype, the first one's (the kernels read them through one pointer type)."""
+    return [v if v.dtype == dt else v.to(dt) for v in sources]
+
+
 def _suffix(dtype: torch.dtype) -> str:
     return "f32" if dtype == torch.float32 else "f64"
 
@@ -112,7 +117,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
     (precomputed by ``ops.source_scores``, in the sources' dtype) are used as they are, and then
     ``qg`` and ``inv_rms`` are not read (pass None and ``key_norm=False``)."""
     dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
-    N = len(sources)
+    sources, N = in_dtype(sources, dt), len(sources)
     given = logits is not None
     logits = logits.contiguous() if given else torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
     S = logits.shape[1]
@@ -137,8 +142,9 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *tensors):
-        sources, cached = tensors[:n], tensors[n:]
-        dt = sources[0].dtype
+        dt = tensors[0].dtype
+        ctx.source_dtypes = [v.dtype for v in tensors[:n]]
+        sources, cached = in_dtype(tensors[:n], dt), tensors[n:]
         inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, cached)] if key_norm else []
         qg = fold_gain(queries, gains, dt).contiguous()
         norm = None if norm_eps is None else (norm_weight, norm_eps)
@@ -181,6 +187,7 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         if need_q:
             d_queries, d_gains = split_query_grad(d_qg.sum(0), queries, gains, *ctx.needs_input_grad[:2])
         d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
+        d_src = [None if d is None else d.to(t) for d, t in zip(d_src, ctx.source_dtypes)]
         return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
 
 

@@ -46,7 +46,8 @@ class DepthRoutingStream(Stream):
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
         key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
         backend: depth-attention backend (``ops.depth_attention``): ``"auto"``, ``"cpu"``,
-            ``"torch"``, ``"triton"`` or ``"naive"``. The input-dependent query ablation always runs on ``"naive"``.
+            ``"torch"``, ``"triton"`` or ``"naive"``. The input-dependent query ablation always
+            runs on ``"naive"``.
     """
 
     options = ("heads", "query", "score", "key_norm", "backend")
