@@ -12,11 +12,12 @@ from attnres import build_stream
 from attnres.ops import cpu_build, depth_attention, depth_attention_multi, merge, merge_and_norm, resolve_backend
 from attnres.ops.cpu_kernels import depth_attention_multi_cpu
 
-from .test_fast_paths import SHAPES, assert_stream_matches_naive, grads, make
+from .test_fast_paths import SHAPES, assert_stream_matches_naive, grads, make, needs_kernels
 
 ops_module = importlib.import_module("attnres.ops.depth_attention")
 
 
+@needs_kernels
 @pytest.mark.parametrize("heads,dim,n,lead", SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
 def test_cpu_backend_matches_naive(heads, dim, n, lead, dtype, tol):
@@ -29,6 +30,7 @@ def test_cpu_backend_matches_naive(heads, dim, n, lead, dtype, tol):
         torch.testing.assert_close(a, b, atol=tol * 10, rtol=tol * 10)
 
 
+@needs_kernels
 @pytest.mark.parametrize("score,key_norm", [("sigmoid", True), ("softmax", False), ("sigmoid", False)])
 def test_cpu_backend_ablations_match_naive(score, key_norm):
     query, gain, sources = make(12, 4, (3, 2), torch.float64)
@@ -43,6 +45,7 @@ def test_cpu_backend_ablations_match_naive(score, key_norm):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
 
 
+@needs_kernels
 @pytest.mark.parametrize("heads", [1, 2, 4])
 def test_cpu_backend_gradcheck_fp64(heads):
     query, gain, sources = make(12, 3, (2, 3), torch.float64, seed=heads)
@@ -51,6 +54,7 @@ def test_cpu_backend_gradcheck_fp64(heads):
     )
 
 
+@needs_kernels
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("heads,queries,used", [(1, 1, (0,)), (2, 3, (0, 2)), (4, 2, (1,)), (3, 3, (0, 1, 2))])
 @pytest.mark.parametrize("norm", [False, True], ids=["", "norm"])
@@ -80,6 +84,7 @@ def test_multi_query_equals_the_torch_path(score, heads, queries, used, norm):
             torch.testing.assert_close(b, a, atol=1e-11, rtol=1e-11)
 
 
+@needs_kernels
 def test_fused_norm_gradcheck_fp64():
     g = torch.Generator().manual_seed(3)
     dt = torch.float64
@@ -95,6 +100,7 @@ def test_fused_norm_gradcheck_fp64():
     assert torch.autograd.gradcheck(fused, (qs, ks, weight, *sources))
 
 
+@needs_kernels
 def test_broadcast_and_strided_sources():
     """A row shared by every token (Delta's null source, expanded) is read without a copy; a
     strided source is read as a contiguous copy; both equal their contiguous twins, and the
@@ -116,6 +122,7 @@ def test_broadcast_and_strided_sources():
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
 
 
+@needs_kernels
 def test_frozen_inputs_get_no_gradient():
     query, gain, sources = make(8, 3, (4,), torch.float32)
     gain.requires_grad_(False)
@@ -126,6 +133,7 @@ def test_frozen_inputs_get_no_gradient():
     assert query.grad is not None and sources[0].grad is not None
 
 
+@needs_kernels
 def test_thread_count_does_not_change_the_result():
     """Per-thread partial sums of the query and gain gradients, reduced after the kernel."""
     query, gain, sources = make(16, 5, (67,), torch.float64)
@@ -143,6 +151,7 @@ def test_thread_count_does_not_change_the_result():
             torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", ["block", "delta"])
 @pytest.mark.parametrize("m,s,heads", [(7, 3, 1), (9, 2, 6)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
@@ -150,10 +159,12 @@ def test_two_phase_stream_on_the_kernels_matches_naive(kind, m, s, heads, dtype,
     assert_stream_matches_naive(kind, dict(block_size=s, heads=heads, backend="cpu"), m, dtype, tol)
 
 
+@needs_kernels
 def test_full_stream_on_the_kernels_matches_naive():
     assert_stream_matches_naive("full", dict(heads=2, backend="cpu"), 6, torch.float64, 1e-12)
 
 
+@needs_kernels
 def test_auto_picks_the_kernels_for_fp32_and_fp64_cpu_tensors():
     for dtype in (torch.float32, torch.float64):
         assert resolve_backend("auto", device_type="cpu", dtype=dtype) == "cpu"
@@ -210,6 +221,7 @@ def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
         cpu_build.build_problem.cache_clear()
 
 
+@needs_kernels
 def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
     cpu_build.load_library.cache_clear()
@@ -225,6 +237,7 @@ def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path)
         cpu_build.load_library.cache_clear()
 
 
+@needs_kernels
 @pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("norm", [False, True], ids=["", "norm"])
@@ -258,6 +271,7 @@ def test_merge_equals_the_torch_path(score, key_norm, heads, norm):
         torch.testing.assert_close(run("cpu"), ref, atol=1e-12, rtol=1e-12)
 
 
+@needs_kernels
 def test_merge_gradcheck_fp64():
     g = torch.Generator().manual_seed(11)
     dt = torch.float64
@@ -273,6 +287,7 @@ def test_merge_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda *t: merge(*t, heads=2, backend="cpu"), (o1, lse1, partial, query, gain))
 
 
+@needs_kernels
 def test_sources_of_mixed_dtypes_are_read_in_the_first_ones():
     """The kernels read every source through the first one's pointer type: others are converted
     (and their gradients come back in their own dtype), as the PyTorch path converts them. (That
@@ -289,6 +304,7 @@ def test_sources_of_mixed_dtypes_are_read_in_the_first_ones():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@needs_kernels
 def test_an_unwritable_cache_is_a_build_problem_not_a_crash(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache directory would go")
