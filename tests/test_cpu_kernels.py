@@ -317,3 +317,15 @@ def test_an_unwritable_cache_is_a_build_problem_not_a_crash(monkeypatch, tmp_pat
     finally:
         cpu_build.load_library.cache_clear()
         cpu_build.build_problem.cache_clear()
+
+
+@needs_kernels
+def test_double_backward_through_the_kernels_raises():
+    """The kernels' backward is not differentiable: a second-order gradient says so instead of
+    silently dropping the terms that pass through the kernels."""
+    query, gain, sources = make(8, 3, (4,), torch.float64)
+    out = depth_attention(query, sources, gain, heads=2, backend="cpu")
+    (g,) = torch.autograd.grad((out**2).sum(), [query], create_graph=True)  # a gradient that has a graph
+    # the query reaches g only through the kernels' backward, whose outputs carry no graph
+    with pytest.raises(RuntimeError, match="differentiate twice|appears to not have been used in the graph"):
+        torch.autograd.grad(g.sum(), [query])

@@ -27,6 +27,7 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .cpu_build import load_library
 from .fused import fold_gain, key_inverse_rms, split_query_grad
@@ -119,7 +120,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
     dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
     sources, N = in_dtype(sources, dt), len(sources)
     given = logits is not None
-    logits = logits.contiguous() if given else torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
+    logits = logits.to(dt).contiguous() if given else torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
     S = logits.shape[1]
     lse = torch.empty(S, *lead, heads, dtype=dt)
     outs = [torch.empty(*lead, D, dtype=dt) for _ in range(S)]
@@ -157,6 +158,7 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         return (*outs, lse)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not return zeros
     def backward(ctx, *grads):
         queries, gains, norm_weight, norm_rr, lse, logits, *rest = ctx.saved_tensors
         heads, score, key_norm, n, norm_eps = ctx.config
@@ -268,6 +270,7 @@ class CpuMergeFunction(torch.autograd.Function):
         return h if y is None else y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         h, partial, query, gain, norm_weight, s2, w, r, rr = ctx.saved_tensors
         heads, eps, norm_eps, score, key_norm, o1_dtype, lse1_dtype = ctx.config
