@@ -1,4 +1,4 @@
-// Fused depth attention for CPU tensors: one pass over the tokens, every source row read once.
+// Fused depth attention and two-phase merge for CPU tensors: one pass over the tokens per direction.
 //
 // The PyTorch path (ops/fused.py) runs each product and sum as its own op over [tokens, D]
 // tensors, so a source is read about twice in forward and six times in backward, and every
