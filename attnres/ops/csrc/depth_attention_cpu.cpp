@@ -104,6 +104,20 @@ inline F sigmoid(F x) {
   return F(1) / (F(1) + std::exp(-x));
 }
 
+// The backward of y = (x * rr) * w (RMSNorm with the saved inverse RMS rr, w = 1 without a
+// gain): dx = rr (dxn - xn mean(dxn xn)) with xn = x rr and dxn = dy w; adds dy xn to d_w.
+template <typename F>
+void norm_backward_row(const F* x, const F* dy, const F* w, F rr, int64_t D, F* dx, F* d_w) {
+  F m = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const F xn = x[d] * rr;
+    m += (w ? dy[d] * w[d] : dy[d]) * xn;
+    if (d_w) d_w[d] += dy[d] * xn;
+  }
+  m /= F(D);
+  for (int64_t d = 0; d < D; ++d) dx[d] = rr * ((w ? dy[d] * w[d] : dy[d]) - x[d] * rr * m);
+}
+
 // The softmax (or sigmoid) weights p[j,s,h] of token t from its logits; writes lse in forward.
 template <typename F>
 void weights(const DepthArgs& a, const F* logits, F* lse_out, const F* lse_in, int64_t t, F* p) {
@@ -211,23 +225,9 @@ void backward(const DepthArgs& a) {
     for (int64_t t = 0; t < T; ++t) {
       weights<F>(a, logits, nullptr, a.sigmoid ? nullptr : lse, t, p.data());
       for (int64_t s = 0; s < S; ++s) g[s] = a.g_out[s] ? static_cast<const F*>(a.g_out[s]) + t * D : nullptr;
-      if (norm_rr && g[0]) {
-        // query 0's norm: recompute out_0, then dx = rr (dxn - xn mean(dxn xn)) with
-        // xn = out_0 rr and dxn = dy w (w = 1 without a gain)
+      if (norm_rr && g[0]) {  // query 0's norm, on the recomputed out_0
         mix_row<F>(a, p.data(), 0, t, out0.data());
-        const F rr = norm_rr[t];
-        const F* dy = g[0];
-        F m = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const F xn = out0[d] * rr;
-          m += (norm_w ? dy[d] * norm_w[d] : dy[d]) * xn;
-          if (d_norm_w) d_norm_w[d] += dy[d] * xn;
-        }
-        m /= F(D);
-        for (int64_t d = 0; d < D; ++d) {
-          const F xn = out0[d] * rr;
-          g0[d] = rr * ((norm_w ? dy[d] * norm_w[d] : dy[d]) - xn * m);
-        }
+        norm_backward_row(out0.data(), g[0], norm_w, norm_rr[t], D, g0.data(), d_norm_w);
         g[0] = g0.data();
       }
       // g_s . v_j per head, and g_s . out_s = sum_j p (g_s . v_j)
@@ -376,16 +376,8 @@ void merge_backward(const MergeArgs& a) {
       const F* P = static_cast<const F*>(a.partial) + t * D;
       const F* h = static_cast<const F*>(a.h) + t * D;
       const F* g = static_cast<const F*>(a.g) + t * D;
-      if (a.norm_rr) {  // the norm's backward: dh = rr (dxn - xn mean(dxn xn)), xn = h rr, dxn = dy w
-        const F rr = static_cast<const F*>(a.norm_rr)[t];
-        F m = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const F xn = h[d] * rr;
-          m += (norm_w ? g[d] * norm_w[d] : g[d]) * xn;
-          if (d_norm_w) d_norm_w[d] += g[d] * xn;
-        }
-        m /= F(D);
-        for (int64_t d = 0; d < D; ++d) gh[d] = rr * ((norm_w ? g[d] * norm_w[d] : g[d]) - h[d] * rr * m);
+      if (a.norm_rr) {  // the fused norm's backward first: g becomes dL/dh
+        norm_backward_row(h, g, norm_w, static_cast<const F*>(a.norm_rr)[t], D, gh.data(), d_norm_w);
         g = gh.data();
       }
       const F r = a.key_norm ? static_cast<const F*>(a.r)[t] : F(1);
