@@ -120,7 +120,7 @@ def main():
     if args.sweep:
         sweep = []
         for m in args.sweep:
-            for impl in ("fast", "naive"):
+            for impl in [i for i in impls if i != "compiled"]:
                 mem = child_memory(__file__, f"block:{impl}:{m}", ["--dim", str(args.dim), "--tokens", str(args.tokens)])
                 sweep.append(dict(design="block", impl=impl, M=m, blocks=8, mem_growth_mib=mem["growth_mib"]))
         for r in sweep:
@@ -128,7 +128,7 @@ def main():
             r["growth_vs_first"] = r["mem_growth_mib"] / first["mem_growth_mib"]
         print()
         print_table(sweep, ["design", "impl", "M", "blocks", "mem_growth_mib", "growth_vs_first"])
-        write_csv("routing_sweep", sweep)
+        write_csv(f"routing_sweep_{'-'.join(args.designs)}_{'-'.join(impls)}" if selected else "routing_sweep", sweep)
 
 
 if __name__ == "__main__":
