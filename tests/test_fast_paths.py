@@ -24,6 +24,8 @@ from attnres.ops import (
 needs_kernels = pytest.mark.skipif(cpu_build.build_problem() is not None,
                                    reason=f"CPU kernels unavailable: {cpu_build.build_problem()}")
 
+FAST_BACKENDS = ["torch", pytest.param("cpu", marks=needs_kernels)]
+
 SHAPES = [
     pytest.param(1, 6, 1, (5,), id="H1-D6-N1"),
     pytest.param(1, 9, 4, (2, 3), id="H1-D9-N4"),
@@ -56,9 +58,10 @@ def grads(out, inputs, cot):
 
 @pytest.mark.parametrize("heads,dim,n,lead", SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
-def test_torch_backend_matches_naive(heads, dim, n, lead, dtype, tol):
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_fast_backend_matches_naive(heads, dim, n, lead, dtype, tol, backend):
     query, gain, sources = make(dim, n, lead, dtype)
-    fast = depth_attention(query, sources, gain, heads=heads, backend="torch")
+    fast = depth_attention(query, sources, gain, heads=heads, backend=backend)
     ref = depth_attention(query, sources, gain, heads=heads, backend="naive")
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
     cot = torch.randn_like(ref)
@@ -67,12 +70,13 @@ def test_torch_backend_matches_naive(heads, dim, n, lead, dtype, tol):
 
 
 @pytest.mark.parametrize("score,key_norm", [("sigmoid", True), ("softmax", False), ("sigmoid", False)])
-def test_torch_backend_ablations_match_naive(score, key_norm):
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_fast_backend_ablations_match_naive(score, key_norm, backend):
     query, gain, sources = make(12, 4, (3, 2), torch.float64)
     gain = gain if key_norm else None
     inputs = [query, *sources] + ([gain] if gain is not None else [])
     kw = dict(heads=3, score=score, key_norm=key_norm)
-    fast = depth_attention(query, sources, gain, backend="torch", **kw)
+    fast = depth_attention(query, sources, gain, backend=backend, **kw)
     ref = depth_attention(query, sources, gain, backend="naive", **kw)
     torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-12)
     cot = torch.randn_like(ref)
@@ -81,24 +85,26 @@ def test_torch_backend_ablations_match_naive(score, key_norm):
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4])
-def test_torch_backend_gradcheck_fp64(heads):
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_fast_backend_gradcheck_fp64(heads, backend):
     query, gain, sources = make(12, 3, (2, 3), torch.float64, seed=heads)
     assert torch.autograd.gradcheck(
-        lambda q, k, *s: depth_attention(q, list(s), k, heads=heads, backend="torch"), (query, gain, *sources)
+        lambda q, k, *s: depth_attention(q, list(s), k, heads=heads, backend=backend), (query, gain, *sources)
     )
 
 
-def test_frozen_inputs_get_no_gradient():
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_frozen_inputs_get_no_gradient(backend):
     query, gain, sources = make(8, 3, (4,), torch.float32)
     gain.requires_grad_(False)
     sources[1].requires_grad_(False)
-    out = depth_attention(query, sources, gain, heads=2, backend="torch")
+    out = depth_attention(query, sources, gain, heads=2, backend=backend)
     out.sum().backward()
     assert gain.grad is None and sources[1].grad is None
     assert query.grad is not None and sources[0].grad is not None
     # and nothing at all when only a frozen query and gain meet trainable sources
     q2 = query.detach()
-    out = depth_attention(q2, [s.detach().requires_grad_() for s in sources], gain, backend="torch")
+    out = depth_attention(q2, [s.detach().requires_grad_() for s in sources], gain, backend=backend)
     assert out.requires_grad
 
 

@@ -30,7 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .cpu_build import load_library
-from .fused import fold_gain, key_inverse_rms, split_query_grad
+from .fused import apply_depth_function, fold_gain, key_inverse_rms, split_query_grad
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -206,15 +206,8 @@ def depth_attention_multi_cpu(
     norm: tuple[torch.Tensor | None, float] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``ops.fused.depth_attention_multi`` on the CPU kernels: the same arguments and results."""
-    n = len(sources)
-    cached = list(inv_rms) if inv_rms is not None and key_norm else [None] * n
-    if len(cached) != n:
-        raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
-    norm_weight, norm_eps = norm if norm is not None else (None, None)
-    *outs, lse = CpuDepthAttentionFunction.apply(
-        queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached
-    )
-    return tuple(outs), lse
+    return apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
+                                inv_rms, norm)
 
 
 class _MergeArgs(ctypes.Structure):

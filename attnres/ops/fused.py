@@ -320,12 +320,17 @@ def depth_attention_multi(
     Gradients flow to queries, gains and sources (``None`` where not required, so frozen
     parameters cost nothing).
     """
+    return apply_depth_function(DepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
+                                inv_rms, norm)
+
+
+def apply_depth_function(function, queries, sources, gains, heads, eps, score, key_norm, inv_rms, norm):
+    """``depth_attention_multi``'s arguments passed to ``function`` (``DepthAttentionFunction`` or
+    a twin with the same inputs and outputs), ``(outs, lse)`` taken from its flat outputs."""
     n = len(sources)
     cached = list(inv_rms) if inv_rms is not None and key_norm else [None] * n
     if len(cached) != n:
         raise ValueError(f"inv_rms has {len(cached)} entries for {n} sources")
     norm_weight, norm_eps = norm if norm is not None else (None, None)
-    *outs, lse = DepthAttentionFunction.apply(
-        queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached
-    )
+    *outs, lse = function.apply(queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached)
     return tuple(outs), lse

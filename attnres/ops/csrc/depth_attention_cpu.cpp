@@ -104,6 +104,20 @@ inline F sigmoid(F x) {
   return F(1) / (F(1) + std::exp(-x));
 }
 
+// RMSNorm of one row: y = (x * rr) * w with rr = rsqrt(mean(x^2) + eps) (w = 1 without a
+// gain; y may be x). Returns rr.
+template <typename F>
+F norm_row(const F* x, const F* w, F eps, int64_t D, F* y) {
+  const F rr = F(1) / std::sqrt(dot(x, x, D) / F(D) + eps);
+  if (w) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = (x[d] * rr) * w[d];
+  } else {
+    scale(rr, x, y, D);
+  }
+  return rr;
+}
+
 // The backward of y = (x * rr) * w (RMSNorm with the saved inverse RMS rr, w = 1 without a
 // gain): dx = rr (dxn - xn mean(dxn xn)) with xn = x rr and dxn = dy w; adds dy xn to d_w.
 template <typename F>
@@ -190,16 +204,9 @@ void forward(const DepthArgs& a) {
       }
       weights<F>(a, logits, static_cast<F*>(a.lse), nullptr, t, p.data());
       for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
-      if (norm_rr) {  // query 0's output through RMSNorm, in place: (out * rr) * w
+      if (norm_rr) {  // query 0's output through RMSNorm, in place
         F* o = static_cast<F*>(a.outs[0]) + t * D;
-        const F rr = F(1) / std::sqrt(dot(o, o, D) / F(D) + F(a.norm_eps));
-        norm_rr[t] = rr;
-        if (norm_w) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] = (o[d] * rr) * norm_w[d];
-        } else {
-          scale(rr, o, o, D);
-        }
+        norm_rr[t] = norm_row(o, norm_w, F(a.norm_eps), D, o);
       }
     }
   }
@@ -346,15 +353,8 @@ void merge_forward(const MergeArgs& a) {
         if (a.w) static_cast<F*>(a.w)[t * H + k] = w;
       }
       if (a.y) {
-        F* y = static_cast<F*>(a.y) + t * D;
-        const F rr = F(1) / std::sqrt(dot(h, h, D) / F(D) + F(a.norm_eps));
+        const F rr = norm_row(h, norm_w, F(a.norm_eps), D, static_cast<F*>(a.y) + t * D);
         if (a.norm_rr) static_cast<F*>(a.norm_rr)[t] = rr;
-        if (norm_w) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) y[d] = (h[d] * rr) * norm_w[d];
-        } else {
-          scale(rr, h, y, D);
-        }
       }
     }
   }
