@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -268,8 +267,10 @@ class Transformer(nn.Module):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
 
-    def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
-        """The final normalized hidden state ``[B, T, D]`` (the stream's output)."""
+    def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
+                      trace: Trace | None = None) -> torch.Tensor:
+        """The final normalized hidden state ``[B, T, D]`` (the stream's output); ``trace``
+        records what analysis reads (``streams.Trace``)."""
         self._check_tokens(tokens, start_pos)
         T = tokens.shape[1]
         cos = self.rope_cos[start_pos : start_pos + T]
@@ -278,41 +279,31 @@ class Transformer(nn.Module):
         state = stream.init(self.tok_embeddings(tokens))
         for l, layer in enumerate(self.layers):
             i = 2 * l
-            state = stream.write(state, i, layer.attn(stream.read(state, i), cos, sin, cache, l, start_pos))
-            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1)))
-        return stream.output(state)
+            state = stream.write(state, i, layer.attn(stream.read(state, i, trace), cos, sin, cache, l, start_pos))
+            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1, trace)))
+        return stream.output(state, trace)
 
     def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
-                return_depth_weights: bool = False):
+                return_depth_weights: bool = False, trace: Trace | None = None):
         """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``.
+
+        ``trace`` records the depth weights and read RMS of every site::
+
+            trace = Trace()
+            model(tokens, trace=trace)
+            trace.depth_weights[3]  # [N_sources, B, T, heads]
 
         With ``return_depth_weights=True`` returns ``(logits, weights)`` where ``weights[site]`` is
         the routing of sublayer ``site`` (``M`` for the output), ``[N_sources, B, T, heads]``.
         """
-        if return_depth_weights:
-            with self.trace() as trace:
-                logits = self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos))
-            return logits, trace.depth_weights
-        return self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos))
+        if return_depth_weights and trace is None:
+            trace = Trace()
+        logits = self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos, trace=trace))
+        return (logits, trace.depth_weights) if return_depth_weights else logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of ``targets`` ``[B, T]`` given ``tokens``."""
         return lm_loss(self(tokens), targets)
-
-    @contextmanager
-    def trace(self, keep_sources: bool = False):
-        """Record depth weights and read RMS of every site during the forward passes inside::
-
-            with model.trace() as trace:
-                model(tokens)
-            trace.depth_weights[3]  # [N_sources, B, T, heads]
-        """
-        trace = Trace(keep_sources=keep_sources)
-        self.stream.trace = trace
-        try:
-            yield trace
-        finally:
-            self.stream.trace = None
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.config

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing import CheapStack  # noqa: E402
 
 from attnres import ModelConfig, Transformer, param_groups  # noqa: E402
-from attnres.ops import depth_attention, merge, multi_query_attention  # noqa: E402
+from attnres.ops import backend, depth_attention  # noqa: E402
 
 
 def rel_err(a, b):
@@ -48,8 +48,9 @@ def parity(dtype):
     out["read_forward"] = rel_err(a, b)
     out["read_grads"] = max(rel_err(x, y) for x, y in zip(ga, gb))
     qs = (0.05 * torch.randn(4, dim, device=dev, generator=g)).requires_grad_()
-    o1, lse1 = multi_query_attention(qs, sources[:-1], None, heads=heads, backend="triton")
-    h = merge(o1[1], lse1[1], sources[-1], qs[1], None, heads=heads, backend="triton")
+    triton = backend("triton")
+    o1, lse1 = triton.attend(qs, sources[:-1], None, heads=heads)
+    h = triton.merge(o1[1], lse1[1], sources[-1], qs[1], None, heads=heads)
     ref = depth_attention(qs[1], [s.float() for s in sources], None, heads=heads, backend="naive")
     out["two_phase_forward"] = rel_err(h, ref)
     return out
@@ -92,8 +93,7 @@ def routing_bench(tokens, dim, m, rounds):
             fn(e).float().square().mean().backward()
         return step
 
-    fast = CheapStack("block", dim, m, "fast").cuda().to(torch.bfloat16)
-    fast.stream.backend = "triton"
+    fast = CheapStack("block", dim, m, "triton").cuda().to(torch.bfloat16)
     naive = CheapStack("block", dim, m, "naive").cuda().to(torch.bfloat16)
     t_fast = timed(step_fn(fast, fast), rounds)
     t_comp = timed(step_fn(naive, torch.compile(naive)), rounds)

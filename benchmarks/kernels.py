@@ -3,7 +3,7 @@
 Ops (8 x 256 tokens, D = 512, fp32; H = 1 and H = 8):
   phase1  phase 1 of a Block read: 2 queries against 9 completed sources, the first output through
           its pre-norm, the second output and lse used (as by a merge); forward + backward
-  merge   phase 2 with the pre-norm fused (``merge_and_norm``); forward + backward
+  merge   phase 2 with the pre-norm fused (``merge(..., norm=...)``); forward + backward
   merge-nograd, phase1-nograd  the same without autograd (the inference path)
 Ratios are ``cpu`` over ``torch`` per round, interleaved in one process.
 
@@ -15,15 +15,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
 
-from attnres.ops import inverse_rms, merge_and_norm, multi_query_attention  # noqa: E402
+from attnres.ops import backend  # noqa: E402
 
 LEAD, D, SOURCES, QUERIES = (8, 256), 512, 9, 2
+
+
+class Norm(NamedTuple):
+    """A read's pre-norm as the backends take it."""
+
+    weight: torch.Tensor
+    eps: float
 
 
 def ops(heads: int) -> dict:
@@ -34,21 +42,23 @@ def ops(heads: int) -> dict:
         return (scale * torch.randn(*shape, generator=g)).requires_grad_()
 
     sources = [rand(*LEAD, D) for _ in range(SOURCES)]
-    stats = [inverse_rms(v) for v in sources]
+    stats = [backend("torch").prepare(v) for v in sources]
     queries, gains, weight = rand(QUERIES, D, scale=0.1), rand(QUERIES, D), rand(D)
     o1, lse1, partial = rand(*LEAD, D), rand(*LEAD, heads), rand(*LEAD, D)
     query, gain = rand(D, scale=0.1), rand(D)
     cot = [torch.randn(*LEAD, D, generator=g) for _ in range(2)] + [torch.randn(QUERIES, *LEAD, heads, generator=g)]
-    fns = {}
-    for backend in ("torch", "cpu"):
-        def phase1(backend=backend):
-            outs, lse = multi_query_attention(queries, sources, gains, heads=heads, backend=backend, inv_rms=stats,
-                                              norm=(weight, 1e-6))
+    table = {}
+    norm = Norm(weight, 1e-6)
+    for name in ("torch", "cpu"):
+        fns = backend(name)
+
+        def phase1(fns=fns):
+            outs, lse = fns.attend(queries, sources, gains, heads=heads, prepared=stats, norm=norm)
             if torch.is_grad_enabled():
                 torch.autograd.backward([*outs, lse], cot)
 
-        def merge(backend=backend):
-            y = merge_and_norm(o1, lse1, partial, query, gain, weight, 1e-6, heads=heads, backend=backend)
+        def merge(fns=fns):
+            y = fns.merge(o1, lse1, partial, query, gain, heads=heads, norm=norm)
             if torch.is_grad_enabled():
                 y.backward(cot[0])
 
@@ -58,9 +68,9 @@ def ops(heads: int) -> dict:
                     fn()
             return run
 
-        fns.update({("phase1", backend): phase1, ("merge", backend): merge,
-                    ("phase1-nograd", backend): nograd(phase1), ("merge-nograd", backend): nograd(merge)})
-    return fns
+        table.update({("phase1", name): phase1, ("merge", name): merge,
+                      ("phase1-nograd", name): nograd(phase1), ("merge-nograd", name): nograd(merge)})
+    return table
 
 
 def main():
@@ -70,10 +80,10 @@ def main():
     print(f"# kernels: {SOURCES} sources, {QUERIES} queries, tokens {LEAD}, D={D}; {machine()}")
     rows = []
     for heads in (1, 8):
-        fns = ops(heads)
-        names = sorted({op for op, _ in fns})
+        table = ops(heads)
+        names = sorted({op for op, _ in table})
         for op in names:
-            pair = {b: fns[(op, b)] for b in ("torch", "cpu")}
+            pair = {b: table[(op, b)] for b in ("torch", "cpu")}
             s = ratio_summary(interleaved(pair, args.rounds, warmup=2), "torch")
             rows.append(dict(op=op, heads=heads, torch_ms=1000 * s["torch"]["median_s"],
                              cpu_ms=1000 * s["cpu"]["median_s"], cpu_vs_torch=s["cpu"]["ratio"],

@@ -27,6 +27,7 @@ from common import child_memory, interleaved, machine, print_table, ratio_summar
 from attnres import build_stream  # noqa: E402
 
 IMPLS = {
+    "triton": dict(backend="triton"),  # CUDA only (benchmarks/gpu_check.py)
     "cpu": dict(backend="cpu"),
     "fast": dict(backend="torch"),
     "naive": dict(backend="naive", two_phase=False),

@@ -1,21 +1,24 @@
-"""The fused CPU kernels (``backend="cpu"``) against the naive twin and the PyTorch path:
-multi-query reads, the fused pre-norm, the merges, broadcast and strided sources, the thread
-count; and how the backend is chosen. The per-read checks shared with the PyTorch path (shapes,
-ablations, gradcheck, frozen inputs) run on both backends in ``test_fast_paths.py``."""
+"""The fused CPU kernels (``backend="cpu"``) against the PyTorch path, where they must agree to
+rounding: multi-query reads, the fused pre-norm, the merges; what only they do: broadcast and
+strided sources, the thread count, the build and its cache, mixed dtypes. Their checks against
+the naive reference (shapes, ablations, gradcheck, frozen inputs, streams) run with every other
+backend's in ``test_backends.py``."""
 
-import importlib
 import warnings
 
 import pytest
 import torch
 
 from attnres import build_stream
-from attnres.ops import cpu_build, depth_attention, depth_attention_multi, merge, merge_and_norm, resolve_backend
-from attnres.ops.cpu_kernels import depth_attention_multi_cpu
+from attnres.ops import backend, depth_attention, registry
+from attnres.ops.backends import cpu_build
 
-from .test_fast_paths import assert_stream_matches_naive, grads, make, needs_kernels
+from .test_backends import Norm, grads, make
 
-ops_module = importlib.import_module("attnres.ops.depth_attention")
+# The CPU kernels need a C++ compiler (g++ or $CXX); where none works, the tests that run them
+# say why they were skipped, and those of the fallback still run.
+needs_kernels = pytest.mark.skipif(cpu_build.build_problem() is not None,
+                                   reason=f"CPU kernels unavailable: {cpu_build.build_problem()}")
 
 
 @needs_kernels
@@ -34,8 +37,8 @@ def test_multi_query_equals_the_torch_path(score, heads, queries, used, norm):
     weight = (1 + 0.3 * torch.randn(12, generator=g, dtype=dt)).requires_grad_()
     inputs = [qs, ks, weight, *sources]
     results = []
-    for multi in (depth_attention_multi, depth_attention_multi_cpu):
-        outs, lse = multi(qs, sources, ks, heads=heads, score=score, norm=(weight, 1e-5) if norm else None)
+    for fns in (backend("torch"), backend("cpu")):
+        outs, lse = fns.attend(qs, sources, ks, heads=heads, score=score, norm=Norm(weight) if norm else None)
         picked = [outs[s] for s in used] + ([lse] if score == "softmax" else [])
         cots = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k), dtype=dt) for k, t in enumerate(picked)]
         results.append((outs, lse, grads(picked, inputs, cots)))
@@ -58,7 +61,7 @@ def test_fused_norm_gradcheck_fp64():
     weight = (1 + 0.3 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
 
     def fused(q, k, w, *src):
-        outs, lse = depth_attention_multi_cpu(q, list(src), k, heads=2, norm=(w, 1e-5))
+        outs, lse = backend("cpu").attend(q, list(src), k, heads=2, norm=Norm(w))
         return (*outs, lse)
 
     assert torch.autograd.gradcheck(fused, (qs, ks, weight, *sources))
@@ -105,27 +108,9 @@ def test_thread_count_does_not_change_the_result():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["block", "delta"])
-@pytest.mark.parametrize("m,s,heads", [(7, 3, 1), (9, 2, 6)])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
-def test_two_phase_stream_on_the_kernels_matches_naive(kind, m, s, heads, dtype, tol):
-    assert_stream_matches_naive(kind, dict(block_size=s, heads=heads, backend="cpu"), m, dtype, tol)
-
-
-@needs_kernels
-def test_full_stream_on_the_kernels_matches_naive():
-    assert_stream_matches_naive("full", dict(heads=2, backend="cpu"), 6, torch.float64, 1e-12)
-
-
-@needs_kernels
 def test_auto_picks_the_kernels_for_fp32_and_fp64_cpu_tensors():
     for dtype in (torch.float32, torch.float64):
-        assert resolve_backend("auto", device_type="cpu", dtype=dtype) == "cpu"
-    assert resolve_backend("auto", device_type="cpu", dtype=torch.bfloat16) == "torch"
-    with pytest.raises(RuntimeError, match="backend='cpu' cannot run: .*float32 or float64.*bfloat16"):
-        resolve_backend("cpu", device_type="cpu", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="backend='cpu' cannot run: .*CPU tensors, got cuda"):
-        resolve_backend("cpu", device_type="cuda", dtype=torch.float32)
+        assert registry.pick("auto", registry.Request("cpu", dtype)).name == "cpu"
     stream = build_stream("block", dim=8, num_sublayers=4, backend="cpu")
     with torch.no_grad():  # bf16 sources: the explicit backend says why it cannot run
         stream = stream.to(torch.bfloat16)
@@ -140,7 +125,7 @@ def test_without_a_compiler_auto_warns_once_and_explicit_raises(monkeypatch, tmp
     cpu_build.build_problem.cache_clear()
     try:
         query, gain, sources = make(8, 3, (4,), torch.float32)
-        ops_module._warned.clear()
+        registry._warned.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             a = depth_attention(query, sources, gain)
@@ -154,7 +139,7 @@ def test_without_a_compiler_auto_warns_once_and_explicit_raises(monkeypatch, tmp
     finally:
         cpu_build.load_library.cache_clear()
         cpu_build.build_problem.cache_clear()
-        ops_module._warned.clear()
+        registry._warned.clear()
 
 
 def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
@@ -208,10 +193,8 @@ def test_merge_equals_the_torch_path(score, key_norm, heads, norm):
     inputs = [t for t in (o1, lse1, partial, query, gain, weight) if t is not None]
     kw = dict(heads=heads, score=score, key_norm=key_norm)
 
-    def run(backend):
-        if norm:
-            return merge_and_norm(o1, lse1, partial, query, gain, weight, 1e-5, backend=backend, **kw)
-        return merge(o1, lse1, partial, query, gain, backend=backend, **kw)
+    def run(name):
+        return backend(name).merge(o1, lse1, partial, query, gain, norm=Norm(weight) if norm else None, **kw)
 
     fast, ref = run("cpu"), run("torch")
     torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-12)
@@ -234,10 +217,11 @@ def test_merge_gradcheck_fp64():
     query = torch.randn(8, generator=g, dtype=dt).requires_grad_()
     gain = (1 + 0.2 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
     weight = (1 + 0.3 * torch.randn(8, generator=g, dtype=dt)).requires_grad_()
+    cpu = backend("cpu")
     assert torch.autograd.gradcheck(
-        lambda *t: merge_and_norm(*t[:5], t[5], 1e-5, heads=2, backend="cpu"), (o1, lse1, partial, query, gain, weight)
+        lambda *t: cpu.merge(*t[:5], heads=2, norm=Norm(t[5])), (o1, lse1, partial, query, gain, weight)
     )
-    assert torch.autograd.gradcheck(lambda *t: merge(*t, heads=2, backend="cpu"), (o1, lse1, partial, query, gain))
+    assert torch.autograd.gradcheck(lambda *t: cpu.merge(*t, heads=2), (o1, lse1, partial, query, gain))
 
 
 @needs_kernels
@@ -255,6 +239,30 @@ def test_sources_of_mixed_dtypes_are_read_in_the_first_ones():
     for a, b in zip(grads(fast, [query, gain, *sources], cot), grads(ref, [query, gain, *sources], cot)):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+def test_a_half_precision_partial_is_merged_in_fp32():
+    """A pass runs on the backend chosen from its embedding; a later bf16 partial (sublayers under
+    CPU autocast) is merged in fp32 and returned in bf16, as the reference does (to bf16's
+    rounding: the PyTorch path mixes in bf16)."""
+    g = torch.Generator().manual_seed(2)
+    o1 = torch.randn(2, 5, 12, generator=g).requires_grad_()
+    lse1 = torch.randn(2, 5, 3, generator=g).requires_grad_()
+    partial = torch.randn(2, 5, 12, generator=g).bfloat16().requires_grad_()
+    query, gain, weight = (torch.randn(12, generator=g).requires_grad_() for _ in range(3))
+    inputs = [o1, lse1, partial, query, gain, weight]
+    for norm in (None, Norm(weight)):
+        fast, ref = (backend(n).merge(o1, lse1, partial, query, gain, heads=3, norm=norm) for n in ("cpu", "naive"))
+        assert fast.dtype == ref.dtype == (torch.bfloat16 if norm is None else torch.float32)
+        torch.testing.assert_close(fast, ref, atol=1e-2, rtol=1e-2)
+        cot = torch.randn(ref.shape, generator=g).to(ref.dtype)
+        for a, b in zip(grads(fast, inputs, cot), grads(ref, inputs, cot)):
+            assert (a is None) == (b is None) and (a is None or a.dtype == b.dtype)
+            if a is not None:
+                torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+        with torch.no_grad():
+            torch.testing.assert_close(backend("cpu").merge(o1, lse1, partial, query, gain, heads=3, norm=norm), fast)
 
 
 @needs_kernels

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnres import ModelConfig, Transformer, param_groups
+from attnres import ModelConfig, Trace, Transformer, param_groups
 from attnres.model import sample
 
 from .conftest import DESIGNS, randomize_stream, tiny_config, tiny_model
@@ -173,9 +173,9 @@ def test_depth_weights_capture():
     for site, w in weights.items():
         assert w.shape == (expected_sources[site], 2, 7, 4)
         torch.testing.assert_close(w.sum(0), torch.ones(2, 7, 4))
-    assert model.stream.trace is None  # the normal path records nothing afterwards
-    with model.trace() as trace:
-        model(x)
+    assert torch.equal(model(x), plain)  # a traced pass leaves nothing behind: the fast path again
+    trace = Trace()
+    model(x, trace=trace)
     assert sorted(trace.read_rms) == list(range(7)) and trace.read_rms[0].shape == (2, 7)
 
 

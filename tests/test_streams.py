@@ -23,17 +23,17 @@ class RandomSublayers:
         return torch.tanh(x @ self.weights[i]) * 2
 
 
-def run(stream, e, sublayers, m=M):
+def run(stream, e, sublayers, m=M, trace=None):
     """Drive a stream through the protocol; returns every read, the output, and the states."""
     reads, states = [], []
     state = stream.init(e)
     for i in range(m):
         states.append(state)
-        x = stream.read(state, i)
+        x = stream.read(state, i, trace)
         reads.append(x)
         state = stream.write(state, i, sublayers(i, x))
     states.append(state)
-    return reads, stream.output(state), states
+    return reads, stream.output(state, trace), states
 
 
 def randomized(stream, seed=3):
@@ -149,11 +149,11 @@ def test_zero_init_queries_give_uniform_weights():
     from attnres.streams import Trace
 
     stream = build_stream("block", dim=D, num_sublayers=M, block_size=2, heads=3)
-    stream.trace = Trace()
+    trace = Trace()
     e = torch.randn(2, 5, D)
-    run(stream, e, lambda i, x: torch.randn(2, 5, D))
-    assert sorted(stream.trace.depth_weights) == list(range(M + 1))
-    for site, w in stream.trace.depth_weights.items():
+    run(stream, e, lambda i, x: torch.randn(2, 5, D), trace=trace)
+    assert sorted(trace.depth_weights) == list(range(M + 1))
+    for site, w in trace.depth_weights.items():
         n = w.shape[0]
         assert w.shape == (n, 2, 5, 3)
         torch.testing.assert_close(w, torch.full_like(w, 1 / n))
@@ -255,13 +255,13 @@ def test_delta_routes_null_e_and_blocks():
     from attnres.streams import Trace
 
     delta = build_stream("delta", dim=D, num_sublayers=M, block_size=3)
-    delta.trace = Trace()
-    run(delta, torch.randn(2, D), lambda i, x: torch.randn(2, D))
+    trace = Trace()
+    run(delta, torch.randn(2, D), lambda i, x: torch.randn(2, D), trace=trace)
     # sublayer i routes over null, e, completed blocks, and the partial when p > 0
     for i in range(M):
         n, p = divmod(i, 3)
-        assert delta.trace.depth_weights[i].shape[0] == 2 + n + (p > 0)
-    assert delta.trace.depth_weights[M].shape[0] == 2 + 3  # null, e, B0, B1, partial B2
+        assert trace.depth_weights[i].shape[0] == 2 + n + (p > 0)
+    assert trace.depth_weights[M].shape[0] == 2 + 3  # null, e, B0, B1, partial B2
 
 
 @pytest.mark.parametrize(

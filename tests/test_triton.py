@@ -1,5 +1,7 @@
-"""The Triton kernels (under TRITON_INTERPRET=1 on CPU) against the naive twin: forward and every
-gradient, odd shapes, several head counts; at most 64 tokens, 9 sources and D = 96."""
+"""The Triton kernels (under TRITON_INTERPRET=1 on CPU) against the naive twin on the shapes that
+exercise their tiling (tokens and widths that are not multiples of the tile, 64 tokens, 9
+sources, D = 96): forward and every gradient. Their checks with every other backend's (shapes,
+multi-query, merges, streams) run in ``test_backends.py``."""
 
 import os
 
@@ -8,11 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from attnres import build_stream  # noqa: E402
-from attnres.ops import depth_attention, depth_attention_naive, merge, multi_query_attention  # noqa: E402
+from attnres.ops import backend, depth_attention, depth_attention_naive  # noqa: E402
 
-from .test_fast_paths import assert_close_to_scale, drive  # noqa: E402
-from .test_fast_paths import make as make_inputs  # noqa: E402
+from .test_backends import assert_close_to_scale  # noqa: E402
+from .test_backends import make as make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
 
@@ -48,8 +49,9 @@ def test_triton_multi_query_and_merge_match_naive(heads, dim, n, lead):
     qs = torch.randn(3, dim, generator=g).requires_grad_()
     ks = (1 + 0.2 * torch.randn(3, dim, generator=g)).requires_grad_()
     completed, partial = sources[:-1], sources[-1]
-    o1, lse1 = multi_query_attention(qs, completed, ks, heads=heads, backend="triton")
-    h = torch.stack([merge(o1[s], lse1[s], partial, qs[s], ks[s], heads=heads, backend="triton") for s in range(3)])
+    triton = backend("triton")
+    o1, lse1 = triton.attend(qs, completed, ks, heads=heads)
+    h = torch.stack([triton.merge(o1[s], lse1[s], partial, qs[s], ks[s], heads=heads) for s in range(3)])
     ref = torch.stack([depth_attention_naive(qs[s], sources, ks[s], heads=heads) for s in range(3)])
     torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-5)
     cot = torch.randn_like(ref)
@@ -58,36 +60,12 @@ def test_triton_multi_query_and_merge_match_naive(heads, dim, n, lead):
         assert_close_to_scale(a, b, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["block", "delta"])
-def test_triton_stream_matches_per_sublayer_naive(kind):
-    dim, m, s, heads = 12, 7, 3, 2
-    g = torch.Generator().manual_seed(5)
-    fast = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads, backend="triton")
-    ref = build_stream(kind, dim=dim, num_sublayers=m, block_size=s, heads=heads, backend="naive", two_phase=False)
-    with torch.no_grad():
-        for p in fast.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    ref.load_state_dict(fast.state_dict())
-    weights = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(m)]
-    e = torch.randn(2, 3, dim, generator=g)
-    results = []
-    for stream in (fast, ref):
-        e_ = e.clone().requires_grad_()
-        reads, out = drive(stream, e_, weights)
-        loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + (out**2).sum()
-        results.append((reads + [out], torch.autograd.grad(loss, [e_, *stream.parameters()])))
-    for a, b in zip(results[0][0], results[1][0]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        assert_close_to_scale(a, b, 1e-5)
-
-
 def test_triton_refuses_what_it_cannot_run(monkeypatch):
     query, gain, sources = make(8, 2, (3,))
     with pytest.raises(RuntimeError, match="backend='triton' cannot run: .*score/key-norm ablations"):
         depth_attention(query, sources, gain, backend="triton", score="sigmoid")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="run on CUDA tensors .* got cpu tensors"):
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors .* got cpu tensors"):
         depth_attention(query, sources, gain, backend="triton")
     # auto never picks Triton for CPU tensors
     torch.testing.assert_close(depth_attention(query, sources, gain), depth_attention(query, sources, gain, backend="naive"))

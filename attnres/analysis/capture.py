@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
+from ..streams import Trace
 from .probes import width_disagreement
 
 
@@ -19,8 +20,8 @@ def capture_analysis(model: Transformer, tokens: torch.Tensor) -> dict:
     model.eval()
     device = next(model.parameters()).device
     tokens = tokens.to(device)
-    with model.trace() as trace:
-        model(tokens)
+    trace = Trace()
+    model(tokens, trace=trace)
     M = model.config.num_sublayers
     out = {
         "num_sublayers": M,

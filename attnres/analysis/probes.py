@@ -13,7 +13,7 @@ import torch
 
 from ..model import Transformer
 from ..ops import depth_attention_naive
-from ..streams import DepthRoutingStream
+from ..streams import DepthRoutingStream, Trace
 
 
 def _mean_kl(query, gain, sources, slices, eps) -> float:
@@ -33,8 +33,8 @@ def width_disagreement(model: Transformer, tokens: torch.Tensor, slices: int = 4
         return None
     if model.config.dim % slices:
         return None
-    with model.trace(keep_sources=True) as trace:
-        model(tokens)
+    trace = Trace(keep_sources=True)
+    model(tokens, trace=trace)
     g = torch.Generator().manual_seed(seed)
     trained, random = [], []
     for site, sources in sorted(trace.sources.items()):

@@ -1,38 +1,42 @@
-"""Math only: tensors in, tensors out."""
+"""Math only: tensors in, tensors out. The one face the rest of the package imports.
 
-from .depth_attention import (
-    BACKENDS,
-    check_depth_inputs,
-    depth_attention,
-    merge,
-    merge_and_norm,
-    multi_query_attention,
-    resolve_backend,
-)
-from .fused import depth_attention_multi, inverse_rms
-from .naive import depth_attention_naive
-from .scored import mix_scored, source_scores
-from .two_phase import merge_norm, merge_partial
+- ``depth_attention``: one read over depth, on the backend ``pick`` chooses;
+  ``depth_attention_naive`` is the reference it is tested against.
+- ``DepthRouter`` / ``RoutingMemo``: how a stream routes (``ops.routing``).
+- ``BACKENDS``, ``backend``, ``pick``: the registry of backends (``ops.registry``).
+- ``RMSNorm``, ``rms_norm``, ``rms``, ``sinkhorn``: the other math of the streams.
+"""
+
+from .backends.naive import depth_attention_naive
+from .depth_attention import check_depth_inputs, depth_attention
+from .registry import BACKENDS, NAMES, SCORES, Backend, Request, pick
 from .rmsnorm import RMSNorm, rms, rms_norm
+from .routing import DepthRouter, RoutingMemo
 from .sinkhorn import sinkhorn
+
+
+def backend(name: str):
+    """The module of backend ``name`` (``attend``, ``merge``, ``prepare``; see ``ops.backends``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {tuple(BACKENDS)}")
+    return BACKENDS[name].functions
+
 
 __all__ = [
     "BACKENDS",
+    "NAMES",
+    "SCORES",
+    "Backend",
+    "DepthRouter",
     "RMSNorm",
-    "depth_attention_multi",
-    "merge",
-    "merge_and_norm",
-    "merge_norm",
-    "merge_partial",
-    "mix_scored",
-    "multi_query_attention",
-    "resolve_backend",
+    "Request",
+    "RoutingMemo",
+    "backend",
     "check_depth_inputs",
     "depth_attention",
     "depth_attention_naive",
-    "inverse_rms",
+    "pick",
     "rms",
     "rms_norm",
     "sinkhorn",
-    "source_scores",
 ]

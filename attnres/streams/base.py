@@ -10,6 +10,8 @@ included)::
     y = stream.output(state)
 
 The state is an explicit value (a tensor or a NamedTuple of tensors), never hidden module state.
+A ``Trace`` given to ``read`` and ``output`` records what analysis needs (depth weights, the RMS
+of each read); a read without one runs the fast path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from ..ops import RMSNorm, rms
 @dataclass
 class Trace:
     """What a traced forward pass records, keyed by site (``i`` for sublayer ``i``, ``M`` for
-    the output routing; the same rows as ``pseudo_queries``).
+    the output routing; the same rows as ``pseudo_queries``). A traced read of the AttnRes family
+    routes on the reference path, which materializes the weights.
 
     - ``depth_weights[site]``: routing weights ``[N_sources, ..., heads]`` (AttnRes family).
     - ``read_rms[site]``: RMS ``[...]`` of what the read normalizes (the hidden state before the
@@ -64,19 +67,22 @@ class Stream(nn.Module):
         self.dim = dim
         self.num_sublayers = num_sublayers
         self.eps = eps
-        self.trace: Trace | None = None  # set by the model while tracing; None on the fast path
 
     # -- the protocol -------------------------------------------------------------------------
     def init(self, e: torch.Tensor) -> Any:
+        """The state before sublayer 0, from the embedding ``e`` ``[..., D]``."""
         raise NotImplementedError
 
-    def read(self, state: Any, i: int) -> torch.Tensor:
+    def read(self, state: Any, i: int, trace: Trace | None = None) -> torch.Tensor:
+        """What sublayer ``i`` consumes, ``[..., D]``, its pre-norm included."""
         raise NotImplementedError
 
     def write(self, state: Any, i: int, v: torch.Tensor) -> Any:
+        """The state after sublayer ``i`` produced ``v`` ``[..., D]``."""
         raise NotImplementedError
 
-    def output(self, state: Any) -> torch.Tensor:
+    def output(self, state: Any, trace: Trace | None = None) -> torch.Tensor:
+        """The final normalized hidden state ``[..., D]`` for the LM head."""
         raise NotImplementedError
 
     # -- shared helpers -----------------------------------------------------------------------
@@ -86,9 +92,15 @@ class Stream(nn.Module):
         self.norms = nn.ModuleList(RMSNorm(self.dim, self.eps) for _ in range(self.num_sublayers))
         self.final_norm = RMSNorm(self.dim, self.eps)
 
-    def _record_rms(self, site: int, hidden: torch.Tensor) -> None:
-        if self.trace is not None:
-            self.trace.read_rms[site] = rms(hidden).detach()
+    def _site_norm(self, site: int) -> nn.Module:
+        """The pre-norm of sublayer ``site``, or the final norm for the output (``site == M``)."""
+        return self.final_norm if site == self.num_sublayers else self.norms[site]
+
+    def _finish_read(self, site: int, hidden: torch.Tensor, trace: Trace | None) -> torch.Tensor:
+        """``hidden`` through the pre-norm of ``site`` (the final norm for the output), its RMS
+        recorded first when traced."""
+        record_rms(site, hidden, trace)
+        return self._site_norm(site)(hidden)
 
     def reset_parameters(self) -> None:
         """Re-initialize the stream's own parameters (the model's init calls this)."""
@@ -119,6 +131,11 @@ class MultiStream(Stream):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, streams={self.streams}"
+
+
+def record_rms(site: int, hidden: torch.Tensor, trace: Trace | None) -> None:
+    if trace is not None:
+        trace.read_rms[site] = rms(hidden).detach()
 
 
 def resolve_block_size(num_sublayers: int, block_size: int | None, num_blocks: int | None) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .attnres import BlockRoutingStream, BlockState
+from .base import Trace, record_rms
 
 
 class DeltaState(NamedTuple):
@@ -48,23 +49,23 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.gates)
 
     def init(self, e: torch.Tensor) -> DeltaState:
-        # the null source comes first: one vector for every token, normalized and scored once
-        null = self._complete(BlockState((), None), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
-        return DeltaState(e, self.start(e, null))
+        # the null source comes first: one vector for every token, prepared and scored once
+        routed = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
+        return DeltaState(e, self._open_block(self._complete(routed, e, 0), 0))
 
-    def _read_site(self, site: int, state: DeltaState) -> torch.Tensor:
-        routed = self._route_block(site, state.routed)
+    def _read_site(self, site: int, state: DeltaState, trace: Trace | None) -> torch.Tensor:
+        routed = self._route_block(site, state.routed, trace)
         u = state.h + self.gates[site].to(state.h.dtype) * routed
         if not self.own_norms:
-            self._record_rms(site, u)
+            record_rms(site, u, trace)
             return u
-        return self._finish_read(site, u)
+        return self._finish_read(site, u, trace)
 
-    def read(self, state: DeltaState, i: int) -> torch.Tensor:
-        return self._read_site(i, state)
+    def read(self, state: DeltaState, i: int, trace: Trace | None = None) -> torch.Tensor:
+        return self._read_site(i, state, trace)
 
     def write(self, state: DeltaState, i: int, v: torch.Tensor) -> DeltaState:
         return DeltaState(state.h + v, self._advance(state.routed, i, v))
 
-    def output(self, state: DeltaState) -> torch.Tensor:
-        return self._read_site(self.num_sublayers, state)
+    def output(self, state: DeltaState, trace: Trace | None = None) -> torch.Tensor:
+        return self._read_site(self.num_sublayers, state, trace)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ops import rms_norm
-from .base import MultiStream
+from .base import MultiStream, Trace, record_rms
 
 
 def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -69,13 +69,13 @@ class GatedResidualStream(MultiStream):
         hidden = F.silu(flat @ self.gate_down[site].T)  # [..., r]
         return torch.sigmoid(hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 
-    def _read(self, R: torch.Tensor, site: int) -> torch.Tensor:
-        self._record_rms(site, R.mean(-2))
+    def _read(self, R: torch.Tensor, site: int, trace: Trace | None) -> torch.Tensor:
+        record_rms(site, R.mean(-2), trace)
         rhat = self._normalized(R, site)
         return gated_branch_mix(rhat, self.gates(rhat, site))
 
-    def read(self, R: torch.Tensor, i: int) -> torch.Tensor:
-        return self._read(R, i)
+    def read(self, R: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+        return self._read(R, i, trace)
 
     def write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
@@ -83,8 +83,8 @@ class GatedResidualStream(MultiStream):
         s = 2 * torch.sigmoid(flat @ self.inject[i].T)  # [..., n_r]
         return R + s.unsqueeze(-1) * v.unsqueeze(-2)
 
-    def output(self, R: torch.Tensor) -> torch.Tensor:
-        return self._read(R, self.num_sublayers)
+    def output(self, R: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        return self._read(R, self.num_sublayers, trace)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm
-from .base import MultiStream
+from .base import MultiStream, Trace
 
 
 class HyperConnectionStream(MultiStream):
@@ -60,10 +60,8 @@ class HyperConnectionStream(MultiStream):
         a_m = self.read_scale[i] * torch.tanh(self._hbar(H) @ self.read_proj[i]) + self.read_static[i]
         return (a_m.unsqueeze(-1).to(H.dtype) * H).sum(-2)  # [..., D]
 
-    def read(self, H: torch.Tensor, i: int) -> torch.Tensor:
-        mixed = self._mix_read(H, i)
-        self._record_rms(i, mixed)
-        return self.norms[i](mixed)
+    def read(self, H: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+        return self._finish_read(i, self._mix_read(H, i), trace)
 
     def write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # Hbar is recomputed rather than carried from read: it costs O(n D) per token and keeps
@@ -74,8 +72,6 @@ class HyperConnectionStream(MultiStream):
         mixed = torch.einsum("...kj,...kd->...jd", a_r.to(H.dtype), H)
         return mixed + b.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
 
-    def output(self, H: torch.Tensor) -> torch.Tensor:
-        h = H.sum(-2)
-        self._record_rms(self.num_sublayers, h)
-        return self.final_norm(h)
+    def output(self, H: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        return self._finish_read(self.num_sublayers, H.sum(-2), trace)
 

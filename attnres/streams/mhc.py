@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm, sinkhorn
-from .base import MultiStream
+from .base import MultiStream, Trace
 
 
 class ManifoldHyperConnectionStream(MultiStream):
@@ -77,11 +77,9 @@ class ManifoldHyperConnectionStream(MultiStream):
         """``Hres`` ``[..., n, n]`` of site ``i``: doubly stochastic."""
         return sinkhorn(self._logits(H, i)[2], self.sinkhorn_iterations)
 
-    def read(self, H: torch.Tensor, i: int) -> torch.Tensor:
+    def read(self, H: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
         h_pre = torch.sigmoid(self._logits(H, i)[0])  # [..., n]
-        mixed = (h_pre.unsqueeze(-1).to(H.dtype) * H).sum(-2)
-        self._record_rms(i, mixed)
-        return self.norms[i](mixed)
+        return self._finish_read(i, (h_pre.unsqueeze(-1).to(H.dtype) * H).sum(-2), trace)
 
     def write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # The logits are recomputed rather than carried from read (one small matmul per token)
@@ -91,8 +89,6 @@ class ManifoldHyperConnectionStream(MultiStream):
         h_res = sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
         return h_res.to(H.dtype) @ H + h_post.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
 
-    def output(self, H: torch.Tensor) -> torch.Tensor:
-        h = H.mean(-2)
-        self._record_rms(self.num_sublayers, h)
-        return self.final_norm(h)
+    def output(self, H: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        return self._finish_read(self.num_sublayers, H.mean(-2), trace)
 

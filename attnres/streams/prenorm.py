@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Stream
+from .base import Stream, Trace
 
 
 class PreNormStream(Stream):
@@ -20,13 +20,11 @@ class PreNormStream(Stream):
     def init(self, e: torch.Tensor) -> torch.Tensor:
         return e
 
-    def read(self, h: torch.Tensor, i: int) -> torch.Tensor:
-        self._record_rms(i, h)
-        return self.norms[i](h)
+    def read(self, h: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+        return self._finish_read(i, h, trace)
 
     def write(self, h: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         return h + v
 
-    def output(self, h: torch.Tensor) -> torch.Tensor:
-        self._record_rms(self.num_sublayers, h)
-        return self.final_norm(h)
+    def output(self, h: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        return self._finish_read(self.num_sublayers, h, trace)

@@ -1,9 +1,9 @@
 """Fused depth attention and two-phase merge for CPU tensors (the ``cpu`` backend).
 
-The same op as ``ops.fused.DepthAttentionFunction`` (``S`` queries against a list of sources
+The same ops as the ``torch`` backend's ``DepthAttentionFunction`` (``S`` queries against a list of sources
 that is never stacked, the first output optionally through its sublayer's pre-norm), with the
 per-token work done by one C++/OpenMP kernel per pass (``csrc/depth_attention_cpu.cpp``, built
-on first use by ``ops.cpu_build``): a token's rows of every source stay in cache while its
+on first use by ``cpu_build``): a token's rows of every source stay in cache while its
 logits, softmax, weighted sums and all gradient terms are computed, so forward reads each
 source once and backward once, where the PyTorch path makes a pass over ``[tokens, D]`` memory
 per product and sum.
@@ -13,7 +13,7 @@ What it keeps for backward: references to the sources, their inverse RMS, the lo
 with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of its own (backward
 recomputes the first output when its norm needs it).
 
-The merge (phase 2 of the Block computation, ``ops.two_phase``) is one pass per direction too,
+The merge (phase 2 of the Block computation) is one pass per direction too,
 with the next sublayer's pre-norm fused in the same way; it keeps ``h``, a reference to the
 partial sum and numbers per token, as the PyTorch merge does.
 
@@ -29,8 +29,10 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from .cpu_build import load_library
-from .fused import apply_depth_function, fold_gain, key_inverse_rms, split_query_grad
+from .common import apply_depth_function, compute_dtype, fold_gain, key_inverse_rms, prepare, score_source, split_query_grad, stack_scores
+from .cpu_build import build_problem, load_library
+
+__all__ = ["attend", "attend_scored", "build_problem", "merge", "prepare", "score_source"]
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -115,7 +117,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
     output normalized (``rms_norm``) and its inverse RMS ``[..., 1]`` (else None).
 
     ``qg`` ``[S, D]`` holds the gain-folded queries in the sources' dtype. Given ``logits``
-    (precomputed by ``ops.source_scores``, in the sources' dtype) are used as they are, and then
+    (precomputed by ``score_source``) are used as they are, and then
     ``qg`` and ``inv_rms`` are not read (pass None and ``key_norm=False``)."""
     dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
     sources, N = in_dtype(sources, dt), len(sources)
@@ -139,7 +141,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
 
 
 class CpuDepthAttentionFunction(torch.autograd.Function):
-    """``ops.fused.DepthAttentionFunction`` on the kernels: the same inputs and outputs."""
+    """The ``torch`` backend's ``DepthAttentionFunction`` on the kernels: the same inputs and outputs."""
 
     @staticmethod
     def forward(ctx, queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *tensors):
@@ -193,23 +195,6 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
 
 
-def depth_attention_multi_cpu(
-    queries: torch.Tensor,
-    sources: Sequence[torch.Tensor],
-    gains: torch.Tensor | None = None,
-    *,
-    heads: int = 1,
-    eps: float = 1e-6,
-    score: str = "softmax",
-    key_norm: bool = True,
-    inv_rms: Sequence[torch.Tensor | None] | None = None,
-    norm: tuple[torch.Tensor | None, float] | None = None,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``ops.fused.depth_attention_multi`` on the CPU kernels: the same arguments and results."""
-    return apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
-                                inv_rms, norm)
-
-
 class _MergeArgs(ctypes.Structure):
     """Mirror of ``MergeArgs`` in the C++ source (field order and types must match)."""
 
@@ -236,17 +221,26 @@ def _merge_args(o1, lse1, partial, qg, heads, eps, score, key_norm, weight, norm
 
 
 def _merge_inputs(o1, lse1, partial, query, gain, norm_weight):
-    """The merge's inputs in the partial's dtype, contiguous."""
-    dt = partial.dtype
-    return (o1.to(dt).contiguous(), lse1.to(dt).contiguous(), partial.contiguous(),
+    """The merge's inputs, contiguous, in the dtype the kernels compute in: the partial's
+    (fp32 for a half-precision partial, as the ``torch`` backend computes it)."""
+    dt = compute_dtype(partial.dtype)
+    return (o1.to(dt).contiguous(), lse1.to(dt).contiguous(), partial.to(dt).contiguous(),
             fold_gain(query, gain, dt).contiguous(), None if norm_weight is None else norm_weight.to(dt).contiguous())
 
 
+def _out_dtype(partial_dtype, norm_weight, norm_eps):
+    """The merge's dtype, the partial's; through a norm with a gain, as ``rms_norm`` promotes."""
+    if norm_eps is None or norm_weight is None:
+        return partial_dtype
+    return torch.promote_types(partial_dtype, norm_weight.dtype)
+
+
 class CpuMergeFunction(torch.autograd.Function):
-    """``ops.two_phase.MergeFunction`` (``norm_eps`` None) and ``MergeNormFunction`` on the kernels."""
+    """The ``torch`` backend's ``MergeFunction`` on the kernels: the same inputs and outputs."""
 
     @staticmethod
     def forward(ctx, o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm):
+        partial_dtype = partial.dtype
         o1c, lse1c, partial, qg, weight = _merge_inputs(o1, lse1, partial, query, gain, norm_weight)
         lead, D = partial.shape[:-1], partial.shape[-1]
         dt = partial.dtype
@@ -259,14 +253,14 @@ class CpuMergeFunction(torch.autograd.Function):
         args.h, args.y, args.norm_rr, args.s2, args.w, args.r = _ptr(h), _ptr(y), _ptr(rr), _ptr(s2), _ptr(w), _ptr(r)
         getattr(load_library(), "attnres_merge_forward_" + _suffix(dt))(ctypes.byref(args))
         ctx.save_for_backward(h, partial, query, gain, norm_weight, s2, w, r, rr)
-        ctx.config = (heads, eps, norm_eps, score, key_norm, o1.dtype, lse1.dtype)
-        return h if y is None else y
+        ctx.config = (heads, eps, norm_eps, score, key_norm, o1.dtype, lse1.dtype, partial_dtype)
+        return (h if y is None else y).to(_out_dtype(partial_dtype, norm_weight, norm_eps))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         h, partial, query, gain, norm_weight, s2, w, r, rr = ctx.saved_tensors
-        heads, eps, norm_eps, score, key_norm, o1_dtype, lse1_dtype = ctx.config
+        heads, eps, norm_eps, score, key_norm, o1_dtype, lse1_dtype, partial_dtype = ctx.config
         needs = ctx.needs_input_grad
         dt, lead, D = partial.dtype, partial.shape[:-1], partial.shape[-1]
         threads = torch.get_num_threads()
@@ -292,22 +286,43 @@ class CpuMergeFunction(torch.autograd.Function):
             d_gain = None if d_gain is None else d_gain[0]
         d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
         return (None if d_o1 is None else d_o1.to(o1_dtype), None if d_lse1 is None else d_lse1.to(lse1_dtype),
-                d_partial, d_query, d_gain, d_weight, None, None, None, None, None)
+                None if d_partial is None else d_partial.to(partial_dtype), d_query, d_gain, d_weight,
+                None, None, None, None, None)
 
 
-def merge_cpu(o1, lse1, partial, query, gain=None, norm_weight=None, norm_eps=None, *, heads=1, eps=1e-6,
-              score="softmax", key_norm=True):
-    """``ops.two_phase.merge_partial`` (``norm_eps`` None) or ``merge_norm`` on the kernels:
-    ``h`` ``[..., D]``, or ``rms_norm(h, norm_weight, norm_eps)``. Without autograd nothing is
-    kept, and with the norm ``h`` is never written to memory."""
+# -- the backend interface (ops.backends) --------------------------------------------------------
+
+def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
+           prepared=None):
+    """The ``torch`` backend's ``attend`` on the kernels: the same arguments and results."""
+    return apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
+                                prepared, norm)
+
+
+def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
+    """The ``torch`` backend's ``merge`` on the kernels: ``h`` ``[..., D]``, or
+    ``rms_norm(h, norm.weight, norm.eps)``. Without autograd nothing is kept, and with the norm
+    ``h`` is never written to memory."""
+    norm_weight, norm_eps = (norm.weight, norm.eps) if norm is not None else (None, None)
     if torch.is_grad_enabled():
-        return CpuMergeFunction.apply(o1, lse1, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm)
-    o1, lse1, partial, qg, weight = _merge_inputs(o1, lse1, partial, query, gain, norm_weight)
+        return CpuMergeFunction.apply(o1, lse, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm)
+    partial_dtype = partial.dtype
+    o1, lse, partial, qg, weight = _merge_inputs(o1, lse, partial, query, gain, norm_weight)
     out = torch.empty_like(partial)
-    args = _merge_args(o1, lse1, partial, qg, heads, eps, score, key_norm, weight, norm_eps)
+    args = _merge_args(o1, lse, partial, qg, heads, eps, score, key_norm, weight, norm_eps)
     if norm_eps is None:
         args.h = out.data_ptr()
     else:
         args.y = out.data_ptr()
     getattr(load_library(), "attnres_merge_forward_" + _suffix(partial.dtype))(ctypes.byref(args))
-    return out
+    return out.to(_out_dtype(partial_dtype, norm_weight, norm_eps))
+
+
+@torch.no_grad()
+def attend_scored(scores, sources, *, score="softmax", norm=None):
+    """``attend``'s ``(outs, lse)`` from precomputed logits (inference): the softmax, the sums
+    and the norm in one pass of the kernels."""
+    logits = stack_scores(scores, sources)
+    norm = None if norm is None else (norm.weight, norm.eps)
+    outs, lse, _, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm, logits=logits)
+    return outs, lse

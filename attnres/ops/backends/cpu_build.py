@@ -1,7 +1,7 @@
 """Compile and load the fused CPU kernels (``csrc/depth_attention_cpu.cpp``) on first use.
 
 The kernels are plain C++ with OpenMP, no PyTorch headers: one ``g++`` call of about two seconds.
-The shared library is cached under ``$ATTNRES_CACHE_DIR`` (default
+The shared library is cached under ``attnres.cache.cache_dir()`` (``$ATTNRES_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/attnres``, else ``~/.cache/attnres``), named by a hash of the source, the
 compiler, its flags and the CPU's feature flags (the build targets the CPU it runs on,
 ``-march=native``), so an edited source or another machine gets its own build. Concurrent
@@ -23,19 +23,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ...cache import cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
 class BuildError(RuntimeError):
     """The kernels could not be compiled or loaded here; the message says why."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("ATTNRES_CACHE_DIR"):
-        return Path(os.environ["ATTNRES_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnres"
 
 
 def _cpu_features() -> str:

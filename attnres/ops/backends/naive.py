@@ -1,0 +1,111 @@
+"""The reference backend (``naive``): the specification written as plainly as possible.
+
+The oracle every other backend is tested against (SPEC sections 2-4). It stacks the sources,
+normalizes every one of them and materializes all logits; memory grows with the number of
+sources, which is exactly what the other backends avoid. Autograd differentiates it as written.
+It is the one backend that takes per-token queries ``[..., D]`` (the input-dependent ablation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..rmsnorm import rms_norm
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64
+
+
+def depth_logits(query, sources, gain=None, *, heads=1, eps=1e-6, key_norm=True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, values)``: ``s[j, ..., h] = query[h] . K[j, ..., h]`` ``[N, ..., H]`` with
+    ``K = RMSNorm_gain(V)`` (normalized over the full D, then split into ``heads`` contiguous
+    slices of width ``D / heads``), and ``V = stack(sources)`` ``[N, ..., D]``, both in the math
+    dtype (fp32, or fp64 for fp64 sources)."""
+    dt = _math_dtype(sources[0].dtype)
+    values = torch.stack(list(sources)).to(dt)  # [N, ..., D]
+    keys = rms_norm(values, eps=eps) if key_norm else values
+    if gain is not None:
+        keys = keys * gain.to(dt)
+    head_dim = values.shape[-1] // heads
+    q = query.to(dt).unflatten(-1, (heads, head_dim))  # [H, Dh] or [..., H, Dh]
+    return (keys.unflatten(-1, (heads, head_dim)) * q).sum(-1), values
+
+
+def depth_attention_naive(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    gain: torch.Tensor | None = None,
+    *,
+    heads: int = 1,
+    eps: float = 1e-6,
+    score: str = "softmax",
+    key_norm: bool = True,
+    return_weights: bool = False,
+):
+    """Mix ``sources`` over depth with weights from one pseudo-query.
+
+    Shapes: ``query`` ``[D]`` (or per token ``[..., D]``), each source ``[..., D]``, ``gain``
+    ``[D]``. With the logits ``s`` of ``depth_logits``::
+
+        alpha[j, ..., h] = softmax_j(s)             (or sigmoid(s) without normalization)
+        out[..., h]      = sum_j alpha[j, ..., h] * V[j, ..., h]
+
+    The output ``[..., D]`` is in the sources' dtype. With ``return_weights`` also returns
+    ``alpha`` ``[N, ..., heads]`` (math dtype).
+    """
+    out, weights, _ = _route(query, sources, gain, heads, eps, score, key_norm)
+    return (out, weights) if return_weights else out
+
+
+def _route(query, sources, gain, heads, eps, score, key_norm):
+    """``(out, weights, logits)`` of ``depth_attention_naive``."""
+    logits, values = depth_logits(query, sources, gain, heads=heads, eps=eps, key_norm=key_norm)
+    weights = torch.softmax(logits, dim=0) if score == "softmax" else torch.sigmoid(logits)
+    mixed = (weights.unsqueeze(-1) * values.unflatten(-1, (heads, -1))).sum(0)  # [..., H, Dh]
+    return mixed.flatten(-2).to(sources[0].dtype), weights, logits
+
+
+def _normed(x: torch.Tensor, norm) -> torch.Tensor:
+    return x if norm is None else rms_norm(x, norm.weight, norm.eps)
+
+
+def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
+           prepared=None):
+    """``S`` queries ``[S, D]`` (or per token ``[S, ..., D]``) against ``sources``:
+    ``(outs, lse)``, one ``[..., D]`` per query and the log-sum-exp of each query's logits
+    ``[S, ..., H]`` (zeros for the sigmoid score). ``norm`` (``weight``, ``eps``): the first
+    output through ``rms_norm``. ``prepared`` is not used (nothing is cached)."""
+    outs, lses = [], []
+    for s in range(queries.shape[0]):
+        out, _, logits = _route(queries[s], sources, None if gains is None else gains[s], heads, eps, score, key_norm)
+        outs.append(out)
+        lses.append(torch.logsumexp(logits, 0) if score == "softmax" else torch.zeros_like(logits[0]))
+    outs[0] = _normed(outs[0], norm)
+    return tuple(outs), torch.stack(lses)
+
+
+def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
+    """Phase 2 of the two-phase Block computation as SPEC section 3 writes it: the partial
+    source's logit ``s2`` per head, then ``h = (a o1 + b P) / (a + b)`` with
+    ``a = exp(lse - m)``, ``b = exp(s2 - m)``, ``m = max(lse, s2)``; with the sigmoid score the
+    plain sum ``o1 + sigmoid(s2) P``. Returns ``h`` ``[..., D]`` (partial's dtype), through
+    ``norm`` when given."""
+    s2, _ = depth_logits(query, [partial], gain, heads=heads, eps=eps, key_norm=key_norm)
+    s2 = s2[0].unsqueeze(-1)  # [..., H, 1]
+    o1h, ph = (t.to(s2.dtype).unflatten(-1, (heads, -1)) for t in (o1, partial))
+    if score == "softmax":
+        lse = lse.to(s2.dtype).unsqueeze(-1)
+        m = torch.maximum(lse, s2)
+        a, b = (lse - m).exp(), (s2 - m).exp()
+        h = (a * o1h + b * ph) / (a + b)
+    else:
+        h = o1h + torch.sigmoid(s2) * ph
+    return _normed(h.flatten(-2).to(partial.dtype), norm)
+
+
+def prepare(source, *, eps=1e-6, key_norm=True):
+    """Nothing: every read normalizes its sources itself."""
+    return None

@@ -1,0 +1,185 @@
+"""The routing backends by name, what each accepts, and the one choice among them (``pick``).
+
+Adding a backend is one module in ``ops/backends`` with the functions listed there and one
+``Backend`` line in ``BACKENDS`` below; the parity tests run every registered backend against
+``naive`` without a new test.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from .backends import cpu_build
+
+SCORES = ("softmax", "sigmoid")
+ANY_DEVICE = "any"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one routing pass asks of a backend."""
+
+    device: str  # device type of the sources: "cpu", "cuda", ...
+    dtype: torch.dtype  # the sources' dtype
+    score: str = "softmax"
+    key_norm: bool = True
+    per_token_query: bool = False  # queries [..., D], the input-dependent ablation
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One routing backend: the module ``attnres.ops.backends.<name>``, and what it accepts."""
+
+    name: str
+    #: device types ``auto`` picks it for (``ANY_DEVICE``: all), tried in registry order
+    auto: tuple[str, ...] = ()
+    #: device types it runs on (None: any), a function so that it can follow the environment
+    devices: Callable[[], tuple[str, ...]] | None = None
+    #: what an error about the device adds, e.g. how to run it elsewhere
+    device_note: str = ""
+    #: source dtypes it takes (None: any)
+    dtypes: tuple[torch.dtype, ...] | None = None
+    #: the sigmoid score and keys without RMSNorm (SPEC section 9)
+    ablations: bool = True
+    #: queries ``[..., D]`` (the input-dependent ablation) besides one query ``[D]`` per site
+    per_token_query: bool = False
+    #: runs while ``torch.compile`` traces (an opaque foreign call cannot be traced)
+    traceable: bool = True
+    #: offers ``score_source``/``attend_scored`` (inference: each source scored once)
+    scores_ahead: bool = False
+    #: why it cannot run on this machine (not installed, failed build), or None
+    setup: Callable[[], str | None] | None = None
+
+    @property
+    def functions(self) -> ModuleType:
+        """The backend's module: ``attend``, ``merge``, ``prepare`` (see ``ops.backends``)."""
+        return _module(self.name)
+
+    def unsupported(self, score: str, key_norm: bool, per_token_query: bool) -> str | None:
+        """Why it cannot serve these routing options on any data, or None."""
+        if per_token_query and not self.per_token_query:
+            return ("it takes one query [D] shared by all tokens; per-token queries [..., D] (the "
+                    "input-dependent ablation) run on backend='naive'")
+        if (score != "softmax" or not key_norm) and not self.ablations:
+            return "it implements the method (softmax over RMS-normalized keys), not the score/key-norm ablations"
+        return None
+
+    def unsuited(self, request: Request) -> str | None:
+        """Why ``request``'s data is not of the kind it takes (``auto`` passes over it quietly)."""
+        devices = self.devices() if self.devices is not None else None
+        if devices is not None and request.device not in devices:
+            names = " or ".join(d.upper() for d in devices)
+            return f"it runs on {names} tensors{self.device_note}, got {request.device} tensors"
+        if self.dtypes is not None and request.dtype not in self.dtypes:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"it takes {names} sources, got {request.dtype}"
+        if not self.traceable and torch.compiler.is_compiling():
+            return "torch.compile cannot trace into it"
+        return None
+
+    def problem(self, request: Request) -> str | None:
+        """Why it cannot serve ``request``, or None when it can."""
+        return (self.unsupported(request.score, request.key_norm, request.per_token_query)
+                or self.unsuited(request) or (self.setup() if self.setup is not None else None))
+
+
+def _triton_devices() -> tuple[str, ...]:
+    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+
+
+@functools.cache
+def _triton_setup() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'attnres[triton]')"
+    return None
+
+
+#: every backend, in the order ``auto`` tries them
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("triton", auto=("cuda",), devices=_triton_devices, device_note=" (or on the CPU under TRITON_INTERPRET=1)",
+            dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup),
+    Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64), traceable=False,
+            scores_ahead=True, setup=cpu_build.build_problem),
+    Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
+    Backend("naive", per_token_query=True),
+)}
+#: what a ``backend=`` option accepts
+NAMES = ("auto", *BACKENDS)
+#: the backend that serves every request: the reference
+REFERENCE = "naive"
+
+_modules: dict[str, ModuleType] = {}
+_warned: set[str] = set()
+
+
+def _module(name: str) -> ModuleType:
+    if name not in _modules:
+        _modules[name] = importlib.import_module(f"{__package__}.backends.{name}")
+    return _modules[name]
+
+
+for _name in ("naive", "torch", "cpu"):  # imported now: cheap, and no import while compile traces
+    _module(_name)
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def validate(name: str, *, score: str = "softmax", key_norm: bool = True, per_token_query: bool = False) -> None:
+    """Raise ``ValueError`` for an unknown backend, an unknown score, or an explicit backend that
+    cannot serve these options on any data (checked before any work)."""
+    if name not in NAMES:
+        raise ValueError(f"backend={name!r} is not one of {NAMES}")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r} is not one of {SCORES}")
+    if name != "auto":
+        problem = BACKENDS[name].unsupported(score, key_norm, per_token_query)
+        if problem:
+            raise ValueError(f"backend={name!r} cannot run: {problem}")
+
+
+def pick(name: str, request: Request) -> Backend:
+    """The backend that serves ``request``.
+
+    An explicit ``name`` is that backend, or ``RuntimeError`` saying why it cannot serve.
+    ``auto`` takes the first backend in registry order whose ``auto`` devices include the
+    request's and that can serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors
+    outside ``torch.compile``, else ``torch``; ``naive`` for per-token queries). It passes
+    quietly over a backend for data that is not its kind (dtype, tracing) and warns once when
+    one it would have picked cannot run (not installed or built, an option it lacks).
+    """
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"backend={name!r} is not one of {NAMES}")
+        backend = BACKENDS[name]
+        problem = backend.problem(request)
+        if problem:
+            raise RuntimeError(f"backend={name!r} cannot run: {problem}")
+        return backend
+    passed_over = None
+    for backend in BACKENDS.values():
+        if not (ANY_DEVICE in backend.auto or request.device in backend.auto) or backend.unsuited(request):
+            continue
+        problem = backend.problem(request)
+        if problem is None:
+            break
+        passed_over = passed_over or (backend.name, problem)
+    else:
+        backend = BACKENDS[REFERENCE]
+    if passed_over:
+        warn_once(f"depth attention: using the {backend.name} backend on {request.device.upper()} "
+                  f"because {passed_over[0]} cannot run: {passed_over[1]}")
+    return backend

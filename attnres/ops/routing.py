@@ -1,0 +1,150 @@
+"""How a stream routes over depth: one backend per forward pass, each completed source prepared
+once, and the two-phase Block computation (SPEC section 3) on whichever backend runs.
+
+A stream keeps one ``RoutingMemo`` in its state: ``start`` makes it, every call takes it and
+returns the next one. What it holds belongs to the backend chosen for the pass (each completed
+source's ``prepare`` value, the open block's phase-1 results, the scores of the inference path);
+the stream never looks inside. Sites are the rows of a stream's pseudo-queries ``[M + 1, D]``
+and key-norm gains (sublayer ``i``, and ``M`` for the output routing)::
+
+    memo = router.start(e, two_phase=True)
+    e, memo = router.add_source(memo, e, queries, gains, first_site=0)
+    memo = router.open_block(memo, [e], queries, gains, first=0, last=S, norm=norms[0])
+    x_0 = router.read(memo, 0, None, queries, gains, norm=norms[0])
+    x_1 = router.read(memo, 1, v_0, queries, gains, norm=norms[1])   # merges the partial P_1 = v_0
+
+Phase 1 scores every query of a block against its completed sources once, when the block opens;
+a read then only merges its partial sum (``merge``). On the inference path (autograd off, a
+backend with ``scores_ahead``) each completed source is scored once against every later site the
+moment it is added, and phase 1 only gathers rows of those scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .backends.naive import depth_attention_naive
+from .registry import BACKENDS, Request, pick, validate
+from .rmsnorm import RMSNormFunction
+
+
+class PhaseOne(NamedTuple):
+    """Phase 1 of the open block: the queries of sites ``first_site ..`` against its completed
+    sources. ``outs``: one ``[..., D]`` per site, the first through its read's norm when one was
+    given; ``lse``: ``[S', ..., H]``."""
+
+    outs: tuple[torch.Tensor, ...]
+    lse: torch.Tensor
+    first_site: int
+
+
+class RoutingMemo(NamedTuple):
+    """What the chosen backend keeps between the calls of one forward pass."""
+
+    backend: str  # the backend chosen for this pass
+    prepared: tuple  # each completed source's ``prepare`` value (or None)
+    scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
+    phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
+
+
+class DepthRouter:
+    """The routing options of one stream (SPEC sections 2-4 and 9) and the calls that route.
+
+    Args:
+        heads: depth-attention heads ``H``; 1 is single-head AttnRes.
+        eps: RMSNorm epsilon of the keys.
+        score: ``"softmax"`` or the ``"sigmoid"`` ablation.
+        key_norm: RMSNorm on the keys (``False`` is an ablation).
+        backend: a name from ``ops.registry.NAMES``; one that can never serve these options
+            raises ``ValueError`` here, before any work.
+        per_token_query: the queries are ``[..., D]`` per token (the input-dependent ablation).
+    """
+
+    def __init__(self, *, heads: int = 1, eps: float = 1e-6, score: str = "softmax", key_norm: bool = True,
+                 backend: str = "auto", per_token_query: bool = False):
+        validate(backend, score=score, key_norm=key_norm, per_token_query=per_token_query)
+        self.heads, self.eps, self.score, self.key_norm = heads, eps, score, key_norm
+        self.backend, self.per_token_query = backend, per_token_query
+
+    def _options(self) -> dict:
+        return dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
+
+    def start(self, like: torch.Tensor, *, two_phase: bool = False) -> RoutingMemo:
+        """The memo of a new pass over sources like ``like`` (the backend is chosen from its
+        device and dtype). ``two_phase``: the stream opens blocks, so that with autograd off a
+        backend with ``scores_ahead`` scores each source once (the inference path)."""
+        backend = pick(self.backend, Request(like.device.type, like.dtype, self.score, self.key_norm,
+                                             self.per_token_query))
+        scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
+        return RoutingMemo(backend.name, (), () if scoring else None, None)
+
+    def add_source(self, memo: RoutingMemo, source: torch.Tensor, queries: torch.Tensor,
+                   gains: torch.Tensor | None, first_site: int, tokens: torch.Size | None = None):
+        """``(source, memo)`` with ``source`` ``[..., D]`` completed: prepared once for every
+        read of it, and on the inference path scored against every site from ``first_site`` on.
+        ``tokens``: for a source ``[D]`` shared by every token (Delta's null), the token shape it
+        stands for; it is prepared and scored once, then expanded. The open block is closed."""
+        fns = BACKENDS[memo.backend].functions
+        prepared = fns.prepare(source, eps=self.eps, key_norm=self.key_norm)
+        scores = memo.scores
+        if scores is not None:
+            scores = scores + (fns.score_source(source, queries[first_site:], None if gains is None else gains[first_site:],
+                                                heads=self.heads, eps=self.eps, key_norm=self.key_norm,
+                                                prepared=prepared),)
+        if tokens is not None:
+            source = source.expand(*tokens, source.shape[-1])
+            prepared = None if prepared is None else prepared.expand(tokens)
+        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None)
+
+    def open_block(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], queries: torch.Tensor,
+                   gains: torch.Tensor | None, first: int, last: int, norm=None) -> RoutingMemo:
+        """Phase 1 of the block of sites ``first .. last - 1``: their queries against the
+        completed ``sources`` (all of them added with ``add_source``), the first through ``norm``
+        (that site's pre-norm, or None)."""
+        fns = BACKENDS[memo.backend].functions
+        if memo.scores is not None:
+            # each source's scores run from the first site that reads it to the last row of
+            # ``queries``, so this block's sites are the same rows counted from the end
+            end = queries.shape[0]
+            rows = [s[..., first - end:last - end or None, :] for s in memo.scores]
+            outs, lse = fns.attend_scored(rows, list(sources), score=self.score, norm=norm)
+        else:
+            outs, lse = fns.attend(queries[first:last], list(sources), None if gains is None else gains[first:last],
+                                   norm=norm, prepared=memo.prepared, **self._options())
+        return memo._replace(phase_one=PhaseOne(outs, lse, first))
+
+    def read(self, memo: RoutingMemo, site: int, partial: torch.Tensor | None, queries: torch.Tensor,
+             gains: torch.Tensor | None, norm=None) -> torch.Tensor:
+        """The read of ``site`` in the open block: ``sum_j alpha_j v_j`` over the completed
+        sources and ``partial`` (``P_i``, None when empty), through ``norm`` when given (the
+        same norm the block's first site gave ``open_block``, or None)."""
+        ph = memo.phase_one
+        o1 = ph.outs[site - ph.first_site]
+        if partial is None:  # the block's first read: phase 1 alone, normalized there
+            return o1
+        return BACKENDS[memo.backend].functions.merge(
+            o1, ph.lse[site - ph.first_site], partial, queries[site], None if gains is None else gains[site],
+            norm=norm, **self._options())
+
+    def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
+              gain: torch.Tensor | None, norm=None) -> torch.Tensor:
+        """One read on its own: ``sum_j alpha_j v_j`` over ``sources`` (the completed ones first,
+        in the order they were added, then any not added, such as a partial sum) with ``query``
+        ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` when given."""
+        prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
+        outs, _ = BACKENDS[memo.backend].functions.attend(
+            query[None], list(sources), None if gain is None else gain[None], prepared=prepared, **self._options())
+        return outs[0] if norm is None else RMSNormFunction.apply(outs[0], norm.weight, norm.eps)
+
+    def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
+                           gain: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mixed, weights)`` on the reference path: the read and its depth weights
+        ``[N, ..., H]``, for analysis (a traced pass)."""
+        return depth_attention_naive(query, list(sources), gain, return_weights=True, **self._options())
+
+    def __repr__(self) -> str:
+        return (f"DepthRouter(heads={self.heads}, score={self.score}, key_norm={self.key_norm}, "
+                f"backend={self.backend})")
