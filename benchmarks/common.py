@@ -7,25 +7,69 @@ per round, and the median and the spread (min..max over rounds) are reported.
 Memory is the growth of peak RSS above the RSS after model and optimizer construction, measured
 in a fresh process per variant (``--child VARIANT``), so that one variant's allocator state
 cannot hide another's peak.
+
+``import_revision(REV)`` imports the package as it was at git revision ``REV`` beside the
+current one, so that a script can time both revisions in one interleaved run (a variant
+``block@REV`` against ``prenorm@REV``).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
+import importlib
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from attnres.train.trainer import peak_memory_mib
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def import_revision(rev: str) -> ModuleType:
+    """The ``attnres`` package as it was at git revision ``rev``, imported as ``attnres_<sha>``
+    from a temporary folder (the package imports itself relatively, so the name is free)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    name = f"attnres_{sha}"
+    archive = subprocess.run(["git", "archive", sha, "attnres"], cwd=REPO, capture_output=True, check=True).stdout
+    root = Path(tempfile.mkdtemp(prefix="attnres-revision-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    (root / "attnres").rename(root / name)
+    sys.path.insert(0, str(root))
+    return importlib.import_module(name)
+
+
+def split_variant(variant: str) -> tuple[str, str | None]:
+    """``"block@abc123"`` -> ``("block", "abc123")``; a variant without ``@`` is the current code."""
+    name, _, rev = variant.partition("@")
+    return name, rev or None
+
+
+def ratio_to_own_baseline(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
+    """``ratio_summary`` with each revision's variants against that revision's ``baseline``
+    (``block@REV`` against ``baseline@REV``)."""
+    out = {}
+    for name in times:
+        rev = split_variant(name)[1]
+        base = baseline if rev is None else f"{baseline}@{rev}"
+        out[name] = ratio_summary({name: times[name], base: times[base]}, base)[name]
+    return out
 
 
 def rss_mib() -> float:

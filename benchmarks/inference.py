@@ -7,6 +7,7 @@ against ``prenorm`` in the same run.
 
     python benchmarks/inference.py
     python benchmarks/inference.py --variants prenorm block mhar --rounds 7
+    python benchmarks/inference.py --revisions 7483a66   # and the same variants at a git revision (block@REV)
 
 glibc's malloc makes prefill timings depend on its heap state (see docs/BENCHMARKS.md); to time
 without page-fault churn, fix its thresholds in the environment:
@@ -25,15 +26,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import allocator, interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import allocator, import_revision, interleaved, machine, print_table, ratio_to_own_baseline, split_variant, write_csv  # noqa: E402
 from train_step import SIZES, VARIANTS  # noqa: E402
 
-from attnres import ModelConfig, Transformer  # noqa: E402
+import attnres  # noqa: E402
 
 
 def build(variant, prompt_len, new_tokens):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**SIZES, "max_seq_len": prompt_len + new_tokens}, **VARIANTS[variant])).eval()
+    name, rev = split_variant(variant)
+    package = attnres if rev is None else import_revision(rev)
+    config = package.ModelConfig(**{**SIZES, "max_seq_len": prompt_len + new_tokens}, **VARIANTS[name])
+    model = package.Transformer(config).eval()
     with torch.no_grad():
         if hasattr(model.stream, "pseudo_queries"):
             model.stream.pseudo_queries.normal_(0, 0.02)
@@ -62,16 +66,19 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
+                   help="also run every variant on the package at these git revisions")
     args = p.parse_args()
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
+    variants += [f"{v}@{rev}" for rev in args.revisions for v in variants]
     print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
-    pre = ratio_summary(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
+    pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
     dec_times = {v: [] for v in variants}
     for _ in range(max(2, args.rounds // 2)):  # decode timing excludes the prefill inside it
         for v, b in built.items():
             dec_times[v].append(b[1]())
-    dec = ratio_summary(dec_times, "prenorm")
+    dec = ratio_to_own_baseline(dec_times, "prenorm")
     rows = [
         dict(variant=v, prefill_ms=1000 * pre[v]["median_s"], prefill_vs_prenorm=pre[v]["ratio"],
              prefill_spread=f"{pre[v]['ratio_min']:.3f}..{pre[v]['ratio_max']:.3f}",

@@ -6,6 +6,10 @@ run; ``plain`` is a nanoGPT-style loop of the same shapes (benchmarks/plain_lm.p
 
     python benchmarks/train_step.py
     python benchmarks/train_step.py --variants prenorm block mhar --rounds 9
+    python benchmarks/train_step.py --revisions 7483a66 --rounds 5   # and the same variants at a git revision
+
+With ``--revisions``, every variant also runs on the package as it was at each revision
+(``block@REV``), interleaved in the same rounds; its ratios are against ``prenorm@REV``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import allocator, child_memory, interleaved, machine, print_table, ratio_summary, report_child, rss_mib, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    allocator,
+    child_memory,
+    import_revision,
+    interleaved,
+    machine,
+    print_table,
+    ratio_to_own_baseline,
+    report_child,
+    rss_mib,
+    split_variant,
+    write_csv,
+)
 from plain_lm import PlainLM  # noqa: E402
 
-from attnres import ModelConfig, Transformer, param_groups  # noqa: E402
+import attnres  # noqa: E402
 
 SIZES = dict(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=256)
 VARIANTS = {
@@ -41,17 +57,19 @@ VARIANTS = {
 
 def build(variant, batch, seq):
     torch.manual_seed(0)
-    if variant == "plain":
+    name, rev = split_variant(variant)
+    package = attnres if rev is None else import_revision(rev)
+    if name == "plain":
         model = PlainLM(SIZES["vocab_size"], SIZES["dim"], SIZES["n_layers"], SIZES["n_heads"],
                         SIZES["ffn_dim"], SIZES["max_seq_len"])
         groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
     else:
-        model = Transformer(ModelConfig(**SIZES, **VARIANTS[variant]))
+        model = package.Transformer(package.ModelConfig(**SIZES, **VARIANTS[name]))
         with torch.no_grad():  # live routing, as after some training
             for name, p in model.stream.named_parameters():
                 if name == "pseudo_queries":
                     p.normal_(0, 0.02)
-        groups = param_groups(model, 0.1)
+        groups = package.param_groups(model, 0.1)
     opt = torch.optim.AdamW(groups, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (batch, seq + 1), generator=g)
@@ -72,12 +90,20 @@ def build(variant, batch, seq):
     return step
 
 
+def own_prenorm(variant: str) -> str:
+    """The PreNorm variant of ``variant``'s revision."""
+    rev = split_variant(variant)[1]
+    return "prenorm" if rev is None else f"prenorm@{rev}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
+                   help="also run every variant (but plain) on the package at these git revisions")
     p.add_argument("--child")
     args = p.parse_args()
     if args.child:
@@ -88,16 +114,17 @@ def main():
             step()
         return report_child(base)
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
+    variants += [f"{v}@{rev}" for rev in args.revisions for v in variants if v != "plain"]
     print(f"# train step: {SIZES}, batch {args.batch} x {args.seq}; {machine()}")
     steps = {v: build(v, args.batch, args.seq) for v in variants}
-    summary = ratio_summary(interleaved(steps, args.rounds, warmup=1), "prenorm")
+    summary = ratio_to_own_baseline(interleaved(steps, args.rounds, warmup=1), "prenorm")
     del steps
     extra = ["--batch", str(args.batch), "--seq", str(args.seq)]
     mem = {v: child_memory(__file__, v, extra)["growth_mib"] for v in variants}
     rows = [
         dict(variant=v, median_s=summary[v]["median_s"], time_vs_prenorm=summary[v]["ratio"],
              spread=f"{summary[v]['ratio_min']:.3f}..{summary[v]['ratio_max']:.3f}",
-             mem_growth_mib=mem[v], mem_vs_prenorm=mem[v] / mem["prenorm"])
+             mem_growth_mib=mem[v], mem_vs_prenorm=mem[v] / mem[own_prenorm(v)])
         for v in variants
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
