@@ -29,7 +29,7 @@ def _add_config_args(p, default_preset):
 
 
 def cmd_compare(args) -> int:
-    from .compare import compare
+    from .train.compare import compare
 
     cfg = _config_from_args(args)
     path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out)
@@ -125,7 +125,7 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .compare import DEFAULT_DESIGNS, DESIGNS
+    from .train.compare import DEFAULT_DESIGNS, DESIGNS
 
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")

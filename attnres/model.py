@@ -14,7 +14,6 @@ own parameters live under ``stream.``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,24 +21,29 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .streams import KINDS, STREAMS, Stream, Trace, build_stream
+from .streams import KINDS, MODEL_OPTIONS, STREAMS, Stream, Trace, build_stream
+
+
+def _with_residual_options(cls):
+    """Add one field per residual option (``streams.MODEL_OPTIONS``, declared by the streams'
+    constructors), with the option's type and default, after the fields written in ``cls``."""
+    for name, option in MODEL_OPTIONS.items():
+        cls.__annotations__[name] = option.type
+        setattr(cls, name, option.default)
+    return cls
 
 
 @dataclass
+@_with_residual_options
 class ModelConfig:
     """Sizes and residual design of the reference LM.
 
-    The residual options are flat fields; each applies only to the kinds listed (setting one
-    for another kind is an error, so nothing is silently ignored):
-
-    - ``heads``: depth-attention heads (MHAR) for full/block/delta.
-    - ``block_size`` (sublayers) or ``num_blocks`` (default 8) for block/delta.
-    - ``query`` (``"static"``/``"input"``), ``score`` (``"softmax"``/``"sigmoid"``), ``key_norm``:
-      the AttnRes ablations (SPEC section 9) for full/block/delta.
-    - ``streams``: number of streams/branches for hc/mhc/gr; ``gr_rank``: GR's gate rank;
-      ``sinkhorn_iterations``: mHC.
-    - ``backend`` (``"auto"``/``"cpu"``/``"torch"``/``"triton"``/``"naive"``) for full/block/delta; ``two_phase`` (the
-      two-phase Block computation, default on) for block/delta.
+    After the sizes and ``residual`` (the kind) come the residual options, flat fields made from
+    the streams' constructors (``streams.MODEL_OPTIONS``): ``heads``, ``query``, ``score``,
+    ``key_norm``, ``backend`` (full/block/delta), ``block_size`` or ``num_blocks`` (default 8),
+    ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
+    ``gr_rank`` (GR's ``rank``). Each applies only to the kinds that take it: setting one for
+    another kind is an error, so nothing is silently ignored.
     """
 
     vocab_size: int
@@ -54,32 +58,6 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     residual: str = "prenorm"
-    heads: int = 1
-    block_size: int | None = None
-    num_blocks: int | None = None
-    query: str = "static"
-    score: str = "softmax"
-    key_norm: bool = True
-    streams: int = 4
-    gr_rank: int | None = None
-    sinkhorn_iterations: int = 20
-    backend: str = "auto"
-    two_phase: bool = True
-
-    # config field -> stream option name
-    _STREAM_FIELDS = {
-        "heads": "heads",
-        "block_size": "block_size",
-        "num_blocks": "num_blocks",
-        "query": "query",
-        "score": "score",
-        "key_norm": "key_norm",
-        "streams": "streams",
-        "gr_rank": "rank",
-        "sinkhorn_iterations": "sinkhorn_iterations",
-        "backend": "backend",
-        "two_phase": "two_phase",
-    }
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -100,13 +78,10 @@ class ModelConfig:
             )
         if self.residual not in KINDS:
             raise ValueError(f"residual={self.residual!r} is not one of {KINDS}")
-        accepted = STREAMS[self.residual].options
-        for fname, option in self._STREAM_FIELDS.items():
-            default = next(f.default for f in dataclasses.fields(self) if f.name == fname)
-            if option not in accepted and getattr(self, fname) != default:
-                raise ValueError(
-                    f"{fname}={getattr(self, fname)!r} does not apply to residual={self.residual!r}"
-                )
+        accepted = STREAMS[self.residual].options()
+        for name, option in MODEL_OPTIONS.items():
+            if option.name not in accepted and getattr(self, name) != option.default:
+                raise ValueError(f"{name}={getattr(self, name)!r} does not apply to residual={self.residual!r}")
 
     @property
     def num_sublayers(self) -> int:
@@ -118,12 +93,8 @@ class ModelConfig:
 
     def stream_options(self) -> dict:
         """The options of ``build_stream`` this config sets for its residual kind."""
-        accepted = STREAMS[self.residual].options
-        return {
-            option: getattr(self, fname)
-            for fname, option in self._STREAM_FIELDS.items()
-            if option in accepted
-        }
+        accepted = STREAMS[self.residual].options()
+        return {option.name: getattr(self, name) for name, option in MODEL_OPTIONS.items() if option.name in accepted}
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,16 +329,17 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = None) -> list[dict]:
     """Two AdamW groups: matrices decay; norms, gains, pseudo-queries, biases, gates and the
-    other vectors a stream declares (``Stream.no_weight_decay``) do not."""
+    other vectors a stream declares (``Stream.no_weight_decay``) do not. Parameters that do not
+    require gradients are left out, and so are those not named in ``only`` (when given)."""
     exempt: set[str] = set()
     for prefix, module in model.named_modules():
         if isinstance(module, Stream):
             exempt |= {f"{prefix}.{n}" if prefix else n for n in module.no_weight_decay()}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or (only is not None and name not in only):
             continue
         (no_decay if p.ndim < 2 or name in exempt else decay).append(p)
     return [

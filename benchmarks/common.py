@@ -55,6 +55,12 @@ def import_revision(rev: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def with_revisions(variants: list[str], revisions: list[str], skip: tuple[str, ...] = ()) -> list[str]:
+    """``variants`` with each one's ``variant@REV`` right after it (none for those in ``skip``):
+    a design's revisions run next to each other in every round."""
+    return [f"{v}@{rev}" if rev else v for v in variants for rev in [None, *revisions] if not (rev and v in skip)]
+
+
 def split_variant(variant: str) -> tuple[str, str | None]:
     """``"block@abc123"`` -> ``("block", "abc123")``; a variant without ``@`` is the current code."""
     name, _, rev = variant.partition("@")

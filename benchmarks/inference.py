@@ -26,7 +26,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import allocator, import_revision, interleaved, machine, print_table, ratio_to_own_baseline, split_variant, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    allocator,
+    import_revision,
+    interleaved,
+    machine,
+    print_table,
+    ratio_to_own_baseline,
+    split_variant,
+    with_revisions,
+    write_csv,
+)
 from train_step import SIZES, VARIANTS  # noqa: E402
 
 import attnres  # noqa: E402
@@ -70,7 +80,7 @@ def main():
                    help="also run every variant on the package at these git revisions")
     args = p.parse_args()
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
-    variants += [f"{v}@{rev}" for rev in args.revisions for v in variants]
+    variants = with_revisions(variants, args.revisions)
     print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
     pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     report_child,
     rss_mib,
     split_variant,
+    with_revisions,
     write_csv,
 )
 from plain_lm import PlainLM  # noqa: E402
@@ -114,7 +115,7 @@ def main():
             step()
         return report_child(base)
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
-    variants += [f"{v}@{rev}" for rev in args.revisions for v in variants if v != "plain"]
+    variants = with_revisions(variants, args.revisions, skip=("plain",))
     print(f"# train step: {SIZES}, batch {args.batch} x {args.seq}; {machine()}")
     steps = {v: build(v, args.batch, args.seq) for v in variants}
     summary = ratio_to_own_baseline(interleaved(steps, args.rounds, warmup=1), "prenorm")

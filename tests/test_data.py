@@ -79,6 +79,7 @@ def test_batches_depend_on_seed_and_step_only():
 
 
 def test_bpe_tokenizer_is_trained_and_cached(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNRES_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cfg = DataConfig(source=str(tmp_path / "text.txt"), tokenizer="bpe", bpe_vocab_size=300)
@@ -89,3 +90,16 @@ def test_bpe_tokenizer_is_trained_and_cached(tmp_path, monkeypatch):
     assert len(cached) == 1
     again = load_corpus(cfg, 256)
     assert np.array_equal(again.train, corpus.train)
+
+
+def test_one_cache_folder_for_tokenizers_and_kernels(tmp_path, monkeypatch):
+    from attnres.cache import cache_dir
+
+    monkeypatch.delenv("ATTNRES_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "attnres"
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    (tmp_path / "text.txt").write_text("a small corpus for a tokenizer. " * 300)
+    load_corpus(DataConfig(source=str(tmp_path / "text.txt"), tokenizer="bpe", bpe_vocab_size=280), 256)
+    assert len(list((tmp_path / "mine").glob("bpe-280-*.json"))) == 1

@@ -220,3 +220,31 @@ def test_designs_cover_every_kind():
     from attnres import KINDS
 
     assert {d["residual"] for d in DESIGNS.values()} == set(KINDS)
+
+
+def test_residual_options_are_the_stream_constructors():
+    """Each keyword option of a stream's constructor is one ModelConfig field with its default
+    and type (GR's ``rank`` as ``gr_rank``), reaches the stream, and raises for another kind."""
+    import dataclasses
+    import typing
+
+    from attnres.streams import MODEL_OPTIONS, STREAMS
+    from attnres.train.config import apply_override, tiny
+
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    hints = typing.get_type_hints(ModelConfig)
+    for kind, cls in STREAMS.items():
+        for name, option in cls.options().items():
+            field = cls.config_names.get(name, name)
+            if name in cls.wrapper_options:  # for wrapping another model's sublayers
+                assert field not in fields
+                continue
+            assert fields[field].default == option.default and hints[field] == option.type, field
+    names = list(fields)
+    assert names[names.index("residual") + 1:] == list(MODEL_OPTIONS)  # every field after the kind is an option
+    model = Transformer(tiny_config(residual="gr", gr_rank=3, streams=2))
+    assert (model.stream.rank, model.stream.streams) == (3, 2)
+    with pytest.raises(ValueError, match="gr_rank=3 does not apply to residual='block'"):
+        tiny_config(residual="block", gr_rank=3)
+    cfg = apply_override(apply_override(tiny(), "model.residual=gr"), "model.gr_rank=5")
+    assert cfg.model.gr_rank == 5 and Transformer(cfg.model).stream.rank == 5

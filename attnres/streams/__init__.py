@@ -19,7 +19,7 @@ gr         Gated Residual                   streams (default 4), rank (default d
 from __future__ import annotations
 
 from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAttnResStream
-from .base import Stream, Trace, resolve_block_size
+from .base import Option, Stream, Trace, resolve_block_size
 from .delta import DeltaAttnResStream, DeltaState
 from .gated import GatedResidualStream, gated_branch_mix
 from .hc import HyperConnectionStream
@@ -41,22 +41,42 @@ STREAMS: dict[str, type[Stream]] = {
 KINDS = tuple(STREAMS)
 
 
+def _model_options() -> dict[str, Option]:
+    """Every kind's options as fields of the reference LM's config: field name -> option (one
+    field for an option that several kinds take, with one default and type)."""
+    fields: dict[str, Option] = {}
+    for cls in STREAMS.values():
+        for name, option in cls.options().items():
+            if name in cls.wrapper_options:
+                continue
+            field = cls.config_names.get(name, name)
+            if fields.setdefault(field, option) != option:
+                raise TypeError(f"option {name!r} of {cls.__name__} differs from another kind's: {option} vs {fields[field]}")
+    return fields
+
+
+#: the residual options of the reference LM's config (``ModelConfig``), derived from the streams
+MODEL_OPTIONS = _model_options()
+
+
 def build_stream(kind: str, *, dim: int, num_sublayers: int, eps: float = 1e-6, **options) -> Stream:
     """Build the stream of residual design ``kind`` (one of ``KINDS``) for ``num_sublayers``
     sublayers of width ``dim``. Options a kind does not accept raise ``ValueError``."""
     if kind not in STREAMS:
         raise ValueError(f"unknown residual kind {kind!r}; expected one of {KINDS}")
     cls = STREAMS[kind]
-    unknown = sorted(set(options) - set(cls.options))
+    accepted = cls.options()
+    unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(
-            f"option(s) {unknown} do not apply to kind {kind!r}; it accepts {list(cls.options) or 'none'}"
+            f"option(s) {unknown} do not apply to kind {kind!r}; it accepts {list(accepted) or 'none'}"
         )
     return cls(dim, num_sublayers, eps, **options)
 
 
 __all__ = [
     "KINDS",
+    "MODEL_OPTIONS",
     "STREAMS",
     "BlockAttnResStream",
     "BlockState",
@@ -67,6 +87,7 @@ __all__ = [
     "GatedResidualStream",
     "HyperConnectionStream",
     "ManifoldHyperConnectionStream",
+    "Option",
     "PreNormStream",
     "Stream",
     "Trace",

@@ -44,8 +44,6 @@ class DepthRoutingStream(Stream):
             explicit one that cannot serve these options raises ``ValueError``.
     """
 
-    options = ("heads", "query", "score", "key_norm", "backend")
-
     def __init__(
         self,
         dim: int,
@@ -174,7 +172,6 @@ class BlockRoutingStream(DepthRoutingStream):
     read, every read routes on its own (the path the two-phase one is tested against).
     """
 
-    options = DepthRoutingStream.options + ("block_size", "num_blocks", "two_phase")
     #: whether a read is the routed mix through the site's norm (Block), so that phase 1 can
     #: return a block's first read already normalized; Delta adds its own stream first
     reads_are_normed_mixes = False

@@ -16,9 +16,11 @@ of each read); a read without one runs the fast path.
 
 from __future__ import annotations
 
+import inspect
 import math
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +47,14 @@ class Trace:
     keep_sources: bool = False
 
 
+class Option(NamedTuple):
+    """One option of a stream's constructor: its name, default and type."""
+
+    name: str
+    default: Any
+    type: Any
+
+
 class Stream(nn.Module):
     """Base of every residual design. Subclasses implement the four operations.
 
@@ -55,8 +65,28 @@ class Stream(nn.Module):
     """
 
     kind: str = ""
-    #: options ``build_stream`` accepts for this kind, beyond dim, num_sublayers and eps
-    options: tuple[str, ...] = ()
+    #: options for wrapping another model's sublayers, not fields of the reference LM's config
+    wrapper_options: tuple[str, ...] = ()
+    #: the reference LM's config field of an option, where its name differs from the option's
+    config_names: dict[str, str] = {}
+
+    @classmethod
+    def options(cls) -> dict[str, Option]:
+        """The options ``build_stream`` accepts for this kind, beyond dim, num_sublayers and eps:
+        the keyword-only parameters of its constructor, and of each base class's constructor it
+        hands ``**options`` on to. The constructors are the one declaration of every option."""
+        found: dict[str, Option] = {}
+        for klass in cls.__mro__:
+            if "__init__" not in vars(klass):
+                continue
+            params = inspect.signature(klass.__init__).parameters.values()
+            types = typing.get_type_hints(klass.__init__)
+            for p in params:
+                if p.kind is p.KEYWORD_ONLY and p.name not in found:
+                    found[p.name] = Option(p.name, p.default, types[p.name])
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                break
+        return found
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
         super().__init__()

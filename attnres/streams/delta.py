@@ -33,7 +33,7 @@ class DeltaState(NamedTuple):
 class DeltaAttnResStream(BlockRoutingStream):
     kind = "delta"
 
-    options = BlockRoutingStream.options + ("own_norms",)
+    wrapper_options = ("own_norms",)
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, own_norms: bool = True, **options):
         super().__init__(dim, num_sublayers, eps, **options)

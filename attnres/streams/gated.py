@@ -27,7 +27,7 @@ def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 
 class GatedResidualStream(MultiStream):
     kind = "gr"
-    options = ("streams", "rank")
+    config_names = {"rank": "gr_rank"}
 
     def __init__(
         self,

@@ -20,7 +20,6 @@ from .base import MultiStream, Trace
 
 class HyperConnectionStream(MultiStream):
     kind = "hc"
-    options = ("streams",)
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4):
         super().__init__(dim, num_sublayers, eps, streams)

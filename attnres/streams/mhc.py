@@ -24,7 +24,6 @@ from .base import MultiStream, Trace
 
 class ManifoldHyperConnectionStream(MultiStream):
     kind = "mhc"
-    options = ("streams", "sinkhorn_iterations")
 
     def __init__(
         self,

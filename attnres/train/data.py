@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import cache_dir
+
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".html", ".json", ".csv", ".tex"}
 
@@ -148,10 +150,6 @@ def hf_text(spec: str, val_fraction: float) -> tuple[bytes, bytes]:
 
 
 # -- tokenizers ------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnres"
-
 
 def train_bpe(train: np.ndarray, vocab_size: int, key: str, directory: Path | None = None):
     """A byte-level BPE trained on (up to 20 MB of) the training bytes, cached by content key."""

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -70,6 +70,22 @@ def layer_grad_norms(model: Transformer) -> list[float]:
         sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in layer.parameters() if p.grad is not None)
         norms.append(math.sqrt(sq))
     return norms
+
+
+def accumulate_gradients(loss_of, x: torch.Tensor, y: torch.Tensor, grad_accum: int = 1,
+                         context=lambda k: nullcontext()) -> torch.Tensor:
+    """The gradients of one optimizer step: ``x, y`` ``[B, T]`` split into ``grad_accum`` equal
+    micro-batches, each ``loss_of(xs, ys) / grad_accum`` backpropagated inside ``context(k)``
+    (``k``: the micro-batch). Returns the step's loss, a detached scalar. The caller zeroes the
+    gradients before and clips and steps after."""
+    micro = x.shape[0] // grad_accum
+    total = torch.zeros((), device=x.device)
+    for k in range(grad_accum):
+        with context(k):
+            loss = loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]) / grad_accum
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 @torch.no_grad()
@@ -142,6 +158,13 @@ class _Metrics:
             self.tb.close()
 
 
+@contextmanager
+def micro_step(wrapped, no_sync: bool, autocast):
+    """A micro-batch's forward: gradient synchronization held back until the last one, autocast."""
+    with dist.no_sync(wrapped, no_sync), autocast():
+        yield
+
+
 def _progress(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
@@ -205,7 +228,6 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     metrics = _Metrics(run_dir, info.is_main, r.tensorboard)
     tokens_per_step = r.batch_size * r.seq_len
     per_rank = r.batch_size // info.world_size
-    micro = per_rank // r.grad_accum
     record_from = int(r.steps * 0.9)  # gradient norms are averaged over the last 10% of steps
 
     def save(step: int) -> None:
@@ -233,13 +255,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                 x = x[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
                 y = y[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss_sum = torch.zeros((), device=info.device)
-                for k in range(r.grad_accum):
-                    xs, ys = x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]
-                    with dist.no_sync(wrapped, k < r.grad_accum - 1), autocast():
-                        loss = lm_loss(forward(xs), ys) / r.grad_accum
-                    loss.backward()
-                    loss_sum += loss.detach()
+                loss_sum = accumulate_gradients(lambda xs, ys: lm_loss(forward(xs), ys), x, y, r.grad_accum,
+                                                lambda k: micro_step(wrapped, k < r.grad_accum - 1, autocast))
                 last_loss = float(dist.mean_across_ranks(loss_sum))
                 if not math.isfinite(last_loss):
                     raise TrainingDiverged(

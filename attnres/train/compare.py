@@ -7,12 +7,12 @@ import json
 import time
 from pathlib import Path
 
-from .analysis.capture import capture_analysis
-from .analysis.report import write_report
-from .model import ModelConfig
-from .train.config import TrainConfig
-from .train.data import batch_at, load_corpus
-from .train.trainer import EVAL_SEED, train
+from ..analysis.capture import capture_analysis
+from ..analysis.report import write_report
+from ..model import ModelConfig
+from .config import TrainConfig
+from .data import batch_at, load_corpus
+from .trainer import EVAL_SEED, train
 
 # label -> model options; "n_kv_heads" stands for the model's number of KV heads
 DESIGNS: dict[str, dict] = {
