@@ -1,7 +1,7 @@
 import os
 
 # The Triton kernels run on CPU tensors through Triton's interpreter; the flag must be set before
-# the kernels are defined (at import of attnres.ops.triton_kernels).
+# the kernels are defined (at import of attnres.ops.backends.triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

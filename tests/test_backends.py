@@ -248,10 +248,12 @@ def test_phase_one_with_the_first_norm_fused_gradients(heads, score, backend):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("backend", [name for name in OTHERS if name in ("torch", "cpu")])
+@pytest.mark.parametrize("backend", OTHERS)
 def test_prepared_values_must_match_the_sources(backend):
     fns = use(backend)
     query, gain, sources = make(12, 3, (4,), torch.float32)
+    if fns.prepare(sources[0]) is None:
+        pytest.skip(f"backend {backend!r} prepares nothing: it normalizes inside")
     with pytest.raises(ValueError, match="prepared has 1 entries for 3 sources"):
         fns.attend(query[None], sources, gain[None], prepared=[None])
 
@@ -496,8 +498,11 @@ def test_inference_path_matches_naive(kind, m, options, dtype, tol, lead, backen
     fast, ref, weights, e = stream_pair(kind, dict(options, backend=backend), m, dtype, seed=m, lead=lead)
     with torch.no_grad():
         state = fast.init(e)
-        memo = (state.routed if kind == "delta" else state).memo
-        assert (memo.scores is not None) == BACKENDS[backend].scores_ahead  # the inference path is taken
+        routed = state.routed if kind == "delta" else state
+        if BACKENDS[backend].scores_ahead:  # the inference path is taken: every completed source scored
+            assert routed.memo.scores is not None and len(routed.memo.scores) == len(routed.blocks) > 0
+        else:
+            assert routed.memo.scores is None
         f_reads, f_out = drive(fast, e, weights)
         r_reads, r_out = drive(ref, e, weights)
     for a, b in zip(f_reads + [f_out], r_reads + [r_out]):
@@ -582,7 +587,7 @@ def test_an_explicit_backend_that_cannot_serve_the_options_raises_before_any_wor
         assert torch.equal(x, y)
 
 
-def test_auto_picks_by_device_dtype_and_tracing():
+def test_auto_picks_by_device_and_dtype():
     pick = registry.pick
     assert pick("auto", Request("cpu", torch.bfloat16)).name == "torch"  # the kernels take fp32/fp64
     assert pick("auto", Request("cpu", torch.float32, per_token_query=True)).name == "naive"

@@ -28,14 +28,15 @@ def finetune(model, tokens: np.ndarray, *, steps: int, batch_size: int = 4, seq_
     device = next(model.parameters()).device
 
     def loss_of(x, y):
-        logits = model(input_ids=x.to(device)).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     model.train()
     losses = []
     for step in range(steps):
+        x, y = batch_at(tokens, batch_size, seq_len, seed, step)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(accumulate_gradients(loss_of, *batch_at(tokens, batch_size, seq_len, seed, step))))
+        losses.append(float(accumulate_gradients(loss_of, x.to(device), y.to(device))))
         optimizer.step()
         if on_step is not None:
             on_step(step, model)

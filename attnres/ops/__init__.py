@@ -9,7 +9,7 @@
 
 from .backends.naive import depth_attention_naive
 from .depth_attention import check_depth_inputs, depth_attention
-from .registry import BACKENDS, NAMES, SCORES, Backend, Request, pick
+from .registry import BACKENDS, NAMES, SCORES, Backend, Request, get, pick
 from .rmsnorm import RMSNorm, rms, rms_norm
 from .routing import DepthRouter, RoutingMemo
 from .sinkhorn import sinkhorn
@@ -17,9 +17,7 @@ from .sinkhorn import sinkhorn
 
 def backend(name: str):
     """The module of backend ``name`` (``attend``, ``merge``, ``prepare``; see ``ops.backends``)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not one of {tuple(BACKENDS)}")
-    return BACKENDS[name].functions
+    return get(name).functions
 
 
 __all__ = [

@@ -57,6 +57,9 @@ class Backend:
     scores_ahead: bool = False
     #: why it cannot run on this machine (not installed, failed build), or None
     setup: Callable[[], str | None] | None = None
+    #: imported with the registry (so that no import happens while torch.compile traces); False
+    #: for a backend whose import is heavy and needs an optional package
+    preload: bool = True
 
     @property
     def functions(self) -> ModuleType:
@@ -73,7 +76,7 @@ class Backend:
         return None
 
     def unsuited(self, request: Request) -> str | None:
-        """Why ``request``'s data is not of the kind it takes (``auto`` passes over it quietly)."""
+        """Why ``request``'s data is not of the kind it takes, or None."""
         devices = self.devices() if self.devices is not None else None
         if devices is not None and request.device not in devices:
             names = " or ".join(d.upper() for d in devices)
@@ -81,8 +84,6 @@ class Backend:
         if self.dtypes is not None and request.dtype not in self.dtypes:
             names = " or ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"it takes {names} sources, got {request.dtype}"
-        if not self.traceable and torch.compiler.is_compiling():
-            return "torch.compile cannot trace into it"
         return None
 
     def problem(self, request: Request) -> str | None:
@@ -107,7 +108,8 @@ def _triton_setup() -> str | None:
 #: every backend, in the order ``auto`` tries them
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("triton", auto=("cuda",), devices=_triton_devices, device_note=" (or on the CPU under TRITON_INTERPRET=1)",
-            dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup),
+            dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
+            preload=False),
     Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64), traceable=False,
             scores_ahead=True, setup=cpu_build.build_problem),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
@@ -128,8 +130,16 @@ def _module(name: str) -> ModuleType:
     return _modules[name]
 
 
-for _name in ("naive", "torch", "cpu"):  # imported now: cheap, and no import while compile traces
-    _module(_name)
+for _backend in BACKENDS.values():
+    if _backend.preload:
+        _module(_backend.name)
+
+
+def get(name: str) -> Backend:
+    """The registered backend ``name``; ``ValueError`` naming the accepted ones otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {NAMES}")
+    return BACKENDS[name]
 
 
 def warn_once(message: str) -> None:
@@ -141,12 +151,10 @@ def warn_once(message: str) -> None:
 def validate(name: str, *, score: str = "softmax", key_norm: bool = True, per_token_query: bool = False) -> None:
     """Raise ``ValueError`` for an unknown backend, an unknown score, or an explicit backend that
     cannot serve these options on any data (checked before any work)."""
-    if name not in NAMES:
-        raise ValueError(f"backend={name!r} is not one of {NAMES}")
     if score not in SCORES:
         raise ValueError(f"score={score!r} is not one of {SCORES}")
     if name != "auto":
-        problem = BACKENDS[name].unsupported(score, key_norm, per_token_query)
+        problem = get(name).unsupported(score, key_norm, per_token_query)
         if problem:
             raise ValueError(f"backend={name!r} cannot run: {problem}")
 
@@ -154,17 +162,16 @@ def validate(name: str, *, score: str = "softmax", key_norm: bool = True, per_to
 def pick(name: str, request: Request) -> Backend:
     """The backend that serves ``request``.
 
-    An explicit ``name`` is that backend, or ``RuntimeError`` saying why it cannot serve.
-    ``auto`` takes the first backend in registry order whose ``auto`` devices include the
-    request's and that can serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors
-    outside ``torch.compile``, else ``torch``; ``naive`` for per-token queries). It passes
-    quietly over a backend for data that is not its kind (dtype, tracing) and warns once when
-    one it would have picked cannot run (not installed or built, an option it lacks).
+    An explicit ``name`` is that backend, or ``RuntimeError`` saying why it cannot serve (one
+    that ``torch.compile`` cannot trace runs there between graph breaks). ``auto`` takes the
+    first backend in registry order whose ``auto`` devices include the request's and that can
+    serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors outside
+    ``torch.compile``, else ``torch``; ``naive`` for per-token queries). It passes quietly over a
+    backend for data that is not its kind (dtype, tracing) and warns once when one it would have
+    picked cannot run (not installed or built, an option it lacks).
     """
     if name != "auto":
-        if name not in BACKENDS:
-            raise ValueError(f"backend={name!r} is not one of {NAMES}")
-        backend = BACKENDS[name]
+        backend = get(name)
         problem = backend.problem(request)
         if problem:
             raise RuntimeError(f"backend={name!r} cannot run: {problem}")
@@ -172,6 +179,8 @@ def pick(name: str, request: Request) -> Backend:
     passed_over = None
     for backend in BACKENDS.values():
         if not (ANY_DEVICE in backend.auto or request.device in backend.auto) or backend.unsuited(request):
+            continue
+        if not backend.traceable and torch.compiler.is_compiling():
             continue
         problem = backend.problem(request)
         if problem is None:

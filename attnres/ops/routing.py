@@ -28,7 +28,6 @@ import torch
 
 from .backends.naive import depth_attention_naive
 from .registry import BACKENDS, Request, pick, validate
-from .rmsnorm import RMSNormFunction
 
 
 class PhaseOne(NamedTuple):
@@ -130,14 +129,14 @@ class DepthRouter:
             norm=norm, **self._options())
 
     def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
-              gain: torch.Tensor | None, norm=None) -> torch.Tensor:
+              gain: torch.Tensor | None) -> torch.Tensor:
         """One read on its own: ``sum_j alpha_j v_j`` over ``sources`` (the completed ones first,
         in the order they were added, then any not added, such as a partial sum) with ``query``
-        ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` when given."""
+        ``[D]`` (or ``[..., D]`` per token) and ``gain``, before the read's norm."""
         prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
         outs, _ = BACKENDS[memo.backend].functions.attend(
             query[None], list(sources), None if gain is None else gain[None], prepared=prepared, **self._options())
-        return outs[0] if norm is None else RMSNormFunction.apply(outs[0], norm.weight, norm.eps)
+        return outs[0]
 
     def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
                            gain: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

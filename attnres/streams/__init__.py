@@ -1,7 +1,8 @@
 """Every residual design on one protocol: ``init / read / write / output``.
 
-``build_stream(kind, dim=..., num_sublayers=..., **options)`` makes one; the table below says
-which options each kind accepts (all have defaults).
+``build_stream(kind, dim=..., num_sublayers=..., **options)`` makes one. A kind's options are
+the keyword-only parameters of its constructor (``Stream.options()``), all with defaults; the
+table summarizes them.
 
 =========  ===============================  ==========================================
 kind       design                           options
@@ -9,7 +10,7 @@ kind       design                           options
 prenorm    PreNorm residual (baseline)      eps
 full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm, backend
 block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8), two_phase
-delta      Delta AttnRes (conversion)       same as block
+delta      Delta AttnRes (conversion)       same as block, own_norms (for wrapping a model)
 hc         Hyper-Connections (dynamic)      streams (default 4)
 mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations
 gr         Gated Residual                   streams (default 4), rank (default dim // 8)

@@ -63,15 +63,17 @@ class DepthRoutingStream(Stream):
             raise ValueError(f"query={query!r} is not one of {QUERIES}")
         self.router = DepthRouter(heads=heads, eps=eps, score=score, key_norm=bool(key_norm), backend=backend,
                                   per_token_query=query == "input")
-        self.heads = heads
         self.query = query
-        self.score = score
-        self.key_norm = bool(key_norm)
-        self.backend = backend
         sites = num_sublayers + 1  # one per sublayer, plus the output routing
         self.pseudo_queries = nn.Parameter(torch.zeros(sites, dim))
         self.key_gains = nn.Parameter(torch.ones(sites, dim)) if self.key_norm else None
         self.query_proj = nn.Parameter(torch.zeros(sites, dim, dim)) if query == "input" else None
+
+    # the routing options live in the router; read-only here
+    heads = property(lambda self: self.router.heads)
+    score = property(lambda self: self.router.score)
+    key_norm = property(lambda self: self.router.key_norm)
+    backend = property(lambda self: self.router.backend)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

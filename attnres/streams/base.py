@@ -32,7 +32,9 @@ from ..ops import RMSNorm, rms
 class Trace:
     """What a traced forward pass records, keyed by site (``i`` for sublayer ``i``, ``M`` for
     the output routing; the same rows as ``pseudo_queries``). A traced read of the AttnRes family
-    routes on the reference path, which materializes the weights.
+    routes on the reference path, which materializes the weights; the rest of the pass runs as
+    usual (Block still runs each block's phase 1, which traced reads do not use): tracing is for
+    analysis, not speed.
 
     - ``depth_weights[site]``: routing weights ``[N_sources, ..., heads]`` (AttnRes family).
     - ``read_rms[site]``: RMS ``[...]`` of what the read normalizes (the hidden state before the

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..analysis.capture import capture_analysis
 from ..analysis.report import write_report
 from ..model import ModelConfig
+from ..streams import MODEL_OPTIONS
 from .config import TrainConfig
 from .data import batch_at, load_corpus
 from .trainer import EVAL_SEED, train
@@ -26,8 +27,8 @@ DESIGNS: dict[str, dict] = {
     "delta": dict(residual="delta", num_blocks=8, heads="n_kv_heads"),
 }
 DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
-SIZE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len",
-               "rope_theta", "norm_eps", "tie_embeddings", "init_std")
+#: what every design of a comparison shares: the model's fields but the residual kind and options
+SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
 
 
 def design_config(base: ModelConfig, label: str) -> ModelConfig:

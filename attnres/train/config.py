@@ -178,7 +178,7 @@ def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
         raise ValueError(f"--set {key!r}: expected one of the sections {sorted(sections)} as section.field")
     section_name, field_name = key.split(".")
     section = sections[section_name]
-    fields = {f.name: f for f in dataclasses.fields(section) if not f.name.startswith("_")}
+    fields = {f.name: f for f in dataclasses.fields(section)}
     if field_name not in fields:
         raise ValueError(f"--set {key!r}: unknown field; {section_name} has {sorted(fields)}")
     parsed = _parse(value, typing.get_type_hints(type(section))[field_name], key)

@@ -15,7 +15,8 @@ dtype and the log-sum-exp of each query's logits ``[S, ..., H]`` (zeros for the 
 and ``eps`` (an ``ops.RMSNorm``), returns the first output (``merge``: the result) through the
 read's pre-norm, ``rms_norm(x, norm.weight, norm.eps)``, fused where the backend can.
 ``prepared``: each source's ``prepare`` value (entries may be None), so that a source read by
-many sublayers is prepared once.
+many sublayers is prepared once. ``prepare`` returns None or a tensor of one value per token
+``[...]`` (a source shared by every token is prepared once and the value expanded with it).
 
 A backend whose registry line says ``scores_ahead`` also offers, for inference::
 

@@ -30,11 +30,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .common import apply_depth_function, compute_dtype, fold_gain, key_inverse_rms, prepare, score_source, split_query_grad, stack_scores
-from .cpu_build import build_problem, load_library
+from .cpu_build import load_library
 
-__all__ = ["attend", "attend_scored", "build_problem", "merge", "prepare", "score_source"]
-
-DTYPES = (torch.float32, torch.float64)
+__all__ = ["attend", "attend_scored", "merge", "prepare", "score_source"]
 
 _P = ctypes.POINTER
 

@@ -252,8 +252,6 @@ class DepthAttentionFunction(torch.autograd.Function):
         return (d_queries, d_gains, d_norm_weight, *([None] * 6), *src_grads, *([None] * n))
 
 
-
-
 # -- phase 2: the merge ------------------------------------------------------------------------
 
 def _merge_forward(o1, lse1, partial, query, gain, heads, eps, score, key_norm):

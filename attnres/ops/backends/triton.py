@@ -157,6 +157,8 @@ def _merge_bwd_kernel(o1_ptr, lse_ptr, p_ptr, qg, g_ptr, do1_ptr, dlse_ptr, dp_p
 
 
 def _blocks(T: int, D: int) -> tuple[int, int]:
+    """Tile ``[BLOCK_T, BLOCK_D]``: a token's whole row (per-head sums need all of it), and as many
+    tokens as keep the tile near 8192 elements, at most 16 (not tuned on a GPU yet)."""
     block_d = triton.next_power_of_2(D)
     block_t = max(1, min(16, 8192 // block_d))
     return block_t, block_d
