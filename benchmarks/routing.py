@@ -11,6 +11,10 @@ variant in a fresh process; a sweep over M shows how Block's memory grows.
     python benchmarks/routing.py                       # M=32, 2048 tokens, D=1024
     python benchmarks/routing.py --sweep 16 32 64      # memory of Block (fast) over M
     python benchmarks/routing.py --designs block --impls cpu fast naive
+    python benchmarks/routing.py --impls cpu --revisions 7483a66 --baseline cpu@7483a66   # cpu against cpu@REV
+
+With ``--revisions``, each implementation also runs on the package at each git revision
+(``cpu@REV``), interleaved in the same rounds; ``--baseline`` picks what the ratios are against.
 """
 
 from __future__ import annotations
@@ -22,9 +26,21 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import child_memory, interleaved, machine, print_table, ratio_summary, report_child, rss_mib, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    child_memory,
+    import_revision,
+    interleaved,
+    machine,
+    print_table,
+    ratio_summary,
+    report_child,
+    rss_mib,
+    split_variant,
+    with_revisions,
+    write_csv,
+)
 
-from attnres import build_stream  # noqa: E402
+import attnres  # noqa: E402
 
 IMPLS = {
     "triton": dict(backend="triton"),  # CUDA only (benchmarks/gpu_check.py)
@@ -40,12 +56,14 @@ class CheapStack(nn.Module):
 
     def __init__(self, kind, dim, m, impl):
         super().__init__()
-        opts = dict(IMPLS[impl])
+        name, rev = split_variant(impl)
+        package = attnres if rev is None else import_revision(rev)
+        opts = dict(IMPLS[name])
         if kind == "full":
             opts.pop("two_phase", None)
         else:
             opts["num_blocks"] = 8
-        self.stream = build_stream(kind, dim=dim, num_sublayers=m, **opts)
+        self.stream = package.build_stream(kind, dim=dim, num_sublayers=m, **opts)
         self.scales = nn.Parameter(torch.ones(m, dim))
         with torch.no_grad():  # live routing: non-zero queries
             self.stream.pseudo_queries.normal_(0, 0.02)
@@ -60,7 +78,7 @@ class CheapStack(nn.Module):
 def build(kind, impl, dim, m, tokens):
     torch.manual_seed(0)
     model = CheapStack(kind, dim, m, impl)
-    fn = torch.compile(model) if impl == "compiled" else model
+    fn = torch.compile(model) if split_variant(impl)[0] == "compiled" else model
     e = torch.randn(tokens, dim, requires_grad=True)
 
     def step():
@@ -92,36 +110,40 @@ def main():
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--designs", nargs="*", default=["block", "full"], choices=["block", "full"])
     p.add_argument("--impls", nargs="*", default=None, choices=list(IMPLS),
-                   help="default: cpu fast naive compiled (naive is always measured: it is the baseline)")
+                   help="default: cpu fast naive compiled (the baseline is always measured)")
+    p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
+                   help="also run each implementation on the package at these git revisions (IMPL@REV)")
+    p.add_argument("--baseline", default="naive", help="the implementation ratios are against (default: naive)")
     p.add_argument("--child")
     args = p.parse_args()
     if args.child:
         return child(args.child, args)
     impls = args.impls or ["cpu", "fast", "naive"] + ([] if args.no_compile else ["compiled"])
-    if "naive" not in impls:
-        impls.append("naive")
+    impls = with_revisions(impls, args.revisions, skip=("compiled", "naive"))
+    if args.baseline not in impls:
+        impls.append(args.baseline)
     print(f"# routing: M={args.m}, tokens={args.tokens}, D={args.dim}; {machine()}")
     rows = []
     for kind in args.designs:
         steps = {impl: build(kind, impl, args.dim, args.m, args.tokens) for impl in impls}
-        summary = ratio_summary(interleaved(steps, args.rounds, warmup=1), "naive")
+        summary = ratio_summary(interleaved(steps, args.rounds, warmup=1), args.baseline)
         mem = {impl: child_memory(__file__, f"{kind}:{impl}:{args.m}", ["--dim", str(args.dim), "--tokens", str(args.tokens)]) for impl in impls}
         for impl in impls:
             s = summary[impl]
             rows.append(dict(
                 design=kind, impl=impl, M=args.m, median_ms=1000 * s["median_s"],
-                time_vs_naive=s["ratio"], spread=f"{s['ratio_min']:.2f}..{s['ratio_max']:.2f}",
+                time_vs_baseline=s["ratio"], spread=f"{s['ratio_min']:.2f}..{s['ratio_max']:.2f}",
                 mem_growth_mib=mem[impl]["growth_mib"],
-                mem_vs_naive=mem[impl]["growth_mib"] / mem["naive"]["growth_mib"],
+                mem_vs_baseline=mem[impl]["growth_mib"] / mem[args.baseline]["growth_mib"],
             ))
-    cols = ["design", "impl", "M", "median_ms", "time_vs_naive", "spread", "mem_growth_mib", "mem_vs_naive"]
+    cols = ["design", "impl", "M", "median_ms", "time_vs_baseline", "spread", "mem_growth_mib", "mem_vs_baseline"]
     print_table(rows, cols)
-    selected = args.designs != ["block", "full"] or args.impls is not None
+    selected = args.designs != ["block", "full"] or args.impls is not None or args.revisions
     write_csv(f"routing_{'-'.join(args.designs)}_{'-'.join(impls)}" if selected else "routing", rows)
     if args.sweep:
         sweep = []
         for m in args.sweep:
-            for impl in [i for i in impls if i != "compiled"]:
+            for impl in [i for i in impls if split_variant(i)[0] != "compiled"]:
                 mem = child_memory(__file__, f"block:{impl}:{m}", ["--dim", str(args.dim), "--tokens", str(args.tokens)])
                 sweep.append(dict(design="block", impl=impl, M=m, blocks=8, mem_growth_mib=mem["growth_mib"]))
         for r in sweep:

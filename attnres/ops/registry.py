@@ -64,7 +64,7 @@ class Backend:
     @property
     def functions(self) -> ModuleType:
         """The backend's module: ``attend``, ``merge``, ``prepare`` (see ``ops.backends``)."""
-        return _module(self.name)
+        return functions(self.name)
 
     def unsupported(self, score: str, key_norm: bool, per_token_query: bool) -> str | None:
         """Why it cannot serve these routing options on any data, or None."""
@@ -120,19 +120,22 @@ NAMES = ("auto", *BACKENDS)
 #: the backend that serves every request: the reference
 REFERENCE = "naive"
 
-_modules: dict[str, ModuleType] = {}
+#: the imported backend modules by name: every ``preload`` one, and any other once ``pick`` chose it
+MODULES: dict[str, ModuleType] = {}
 _warned: set[str] = set()
 
 
-def _module(name: str) -> ModuleType:
-    if name not in _modules:
-        _modules[name] = importlib.import_module(f"{__package__}.backends.{name}")
-    return _modules[name]
+
+def functions(name: str) -> ModuleType:
+    """The module of backend ``name``, imported on first use (``MODULES``)."""
+    if name not in MODULES:
+        MODULES[name] = importlib.import_module(f"{__package__}.backends.{name}")
+    return MODULES[name]
 
 
 for _backend in BACKENDS.values():
     if _backend.preload:
-        _module(_backend.name)
+        functions(_backend.name)
 
 
 def get(name: str) -> Backend:
@@ -175,6 +178,7 @@ def pick(name: str, request: Request) -> Backend:
         problem = backend.problem(request)
         if problem:
             raise RuntimeError(f"backend={name!r} cannot run: {problem}")
+        functions(name)  # imported before a pass reads MODULES
         return backend
     passed_over = None
     for backend in BACKENDS.values():
@@ -191,4 +195,5 @@ def pick(name: str, request: Request) -> Backend:
     if passed_over:
         warn_once(f"depth attention: using the {backend.name} backend on {request.device.upper()} "
                   f"because {passed_over[0]} cannot run: {passed_over[1]}")
+    functions(backend.name)  # imported before a pass reads MODULES
     return backend

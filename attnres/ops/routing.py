@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .backends.naive import depth_attention_naive
-from .registry import BACKENDS, Request, pick, validate
+from .registry import MODULES, Request, pick, validate
 
 
 class PhaseOne(NamedTuple):
@@ -67,9 +67,7 @@ class DepthRouter:
         validate(backend, score=score, key_norm=key_norm, per_token_query=per_token_query)
         self.heads, self.eps, self.score, self.key_norm = heads, eps, score, key_norm
         self.backend, self.per_token_query = backend, per_token_query
-
-    def _options(self) -> dict:
-        return dict(heads=self.heads, eps=self.eps, score=self.score, key_norm=self.key_norm)
+        self.options = dict(heads=heads, eps=eps, score=score, key_norm=key_norm)  # what every backend call takes
 
     def start(self, like: torch.Tensor, *, two_phase: bool = False) -> RoutingMemo:
         """The memo of a new pass over sources like ``like`` (the backend is chosen from its
@@ -86,7 +84,7 @@ class DepthRouter:
         read of it, and on the inference path scored against every site from ``first_site`` on.
         ``tokens``: for a source ``[D]`` shared by every token (Delta's null), the token shape it
         stands for; it is prepared and scored once, then expanded. The open block is closed."""
-        fns = BACKENDS[memo.backend].functions
+        fns = MODULES[memo.backend]
         prepared = fns.prepare(source, eps=self.eps, key_norm=self.key_norm)
         scores = memo.scores
         if scores is not None:
@@ -103,7 +101,7 @@ class DepthRouter:
         """Phase 1 of the block of sites ``first .. last - 1``: their queries against the
         completed ``sources`` (all of them added with ``add_source``), the first through ``norm``
         (that site's pre-norm, or None)."""
-        fns = BACKENDS[memo.backend].functions
+        fns = MODULES[memo.backend]
         if memo.scores is not None:
             # each source's scores run from the first site that reads it to the last row of
             # ``queries``, so this block's sites are the same rows counted from the end
@@ -112,7 +110,7 @@ class DepthRouter:
             outs, lse = fns.attend_scored(rows, list(sources), score=self.score, norm=norm)
         else:
             outs, lse = fns.attend(queries[first:last], list(sources), None if gains is None else gains[first:last],
-                                   norm=norm, prepared=memo.prepared, **self._options())
+                                   norm=norm, prepared=memo.prepared, **self.options)
         return memo._replace(phase_one=PhaseOne(outs, lse, first))
 
     def read(self, memo: RoutingMemo, site: int, partial: torch.Tensor | None, queries: torch.Tensor,
@@ -124,9 +122,9 @@ class DepthRouter:
         o1 = ph.outs[site - ph.first_site]
         if partial is None:  # the block's first read: phase 1 alone, normalized there
             return o1
-        return BACKENDS[memo.backend].functions.merge(
+        return MODULES[memo.backend].merge(
             o1, ph.lse[site - ph.first_site], partial, queries[site], None if gains is None else gains[site],
-            norm=norm, **self._options())
+            norm=norm, **self.options)
 
     def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
               gain: torch.Tensor | None) -> torch.Tensor:
@@ -134,15 +132,15 @@ class DepthRouter:
         in the order they were added, then any not added, such as a partial sum) with ``query``
         ``[D]`` (or ``[..., D]`` per token) and ``gain``, before the read's norm."""
         prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
-        outs, _ = BACKENDS[memo.backend].functions.attend(
-            query[None], list(sources), None if gain is None else gain[None], prepared=prepared, **self._options())
+        outs, _ = MODULES[memo.backend].attend(
+            query[None], list(sources), None if gain is None else gain[None], prepared=prepared, **self.options)
         return outs[0]
 
     def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
                            gain: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mixed, weights)`` on the reference path: the read and its depth weights
         ``[N, ..., H]``, for analysis (a traced pass)."""
-        return depth_attention_naive(query, list(sources), gain, return_weights=True, **self._options())
+        return depth_attention_naive(query, list(sources), gain, return_weights=True, **self.options)
 
     def __repr__(self) -> str:
         return (f"DepthRouter(heads={self.heads}, score={self.score}, key_norm={self.key_norm}, "

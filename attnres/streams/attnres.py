@@ -192,19 +192,16 @@ class BlockRoutingStream(DepthRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self.block_size = resolve_block_size(num_sublayers, block_size, num_blocks)
         self.two_phase = bool(two_phase)
+        # blocks run phase 1 when asked and when every query of a block is known before the data
+        self.opens_blocks = self.two_phase and self.query == "static"
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_sublayers // self.block_size)
 
-    @property
-    def _opens_blocks(self) -> bool:
-        """Whether blocks run phase 1 (it needs every query of a block before the data)."""
-        return self.two_phase and self.query_proj is None
-
     def _begin(self, e: torch.Tensor) -> BlockState:
         """No source yet, for a pass over data like ``e``."""
-        return BlockState((), None, self.router.start(e, two_phase=self._opens_blocks))
+        return BlockState((), None, self.router.start(e, two_phase=self.opens_blocks))
 
     def sources(self, state: BlockState) -> tuple[torch.Tensor, ...]:
         """Every source of the current read: the completed ones plus ``P_i`` when not empty."""
@@ -219,7 +216,7 @@ class BlockRoutingStream(DepthRoutingStream):
 
     def _open_block(self, state: BlockState, first_site: int) -> BlockState:
         """Phase 1 of the block whose first sublayer is ``first_site`` (two-phase path)."""
-        if not self._opens_blocks:
+        if not self.opens_blocks:
             return state
         last = min(first_site + self.block_size, self.num_sublayers + 1)
         norm = self._site_norm(first_site) if self.reads_are_normed_mixes else None
@@ -229,14 +226,14 @@ class BlockRoutingStream(DepthRoutingStream):
 
     def _route_block(self, site: int, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
         """``h`` for ``site`` (a sublayer, or ``M`` for the output) before its norm."""
-        if trace is not None or not self._opens_blocks:
+        if trace is not None or not self.opens_blocks:
             return self._route(site, self.sources(state), state.memo, trace)
         return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains)
 
     def _route_block_normed(self, site: int, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
         """The read of ``site`` including its norm. On the two-phase path the norm is fused: a
         block's first read comes normalized out of phase 1, a merged read out of the merge."""
-        if trace is not None or not self._opens_blocks:
+        if trace is not None or not self.opens_blocks:
             return self._finish_read(site, self._route_block(site, state, trace), trace)
         return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains,
                                 self._site_norm(site))

@@ -131,7 +131,8 @@ class Stream(nn.Module):
     def _finish_read(self, site: int, hidden: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         """``hidden`` through the pre-norm of ``site`` (the final norm for the output), its RMS
         recorded first when traced."""
-        record_rms(site, hidden, trace)
+        if trace is not None:
+            record_rms(site, hidden, trace)
         return self._site_norm(site)(hidden)
 
     def reset_parameters(self) -> None:
