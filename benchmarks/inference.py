@@ -97,7 +97,8 @@ def main():
         for v in variants
     ]
     print_table(rows, list(rows[0]))
-    write_csv("inference" if allocator() == "malloc defaults" else "inference_malloc_fixed", rows)
+    name = "inference" if allocator() == "malloc defaults" else "inference_malloc_fixed"
+    write_csv(name + ("_revisions" if args.revisions else ""), rows)
 
 
 if __name__ == "__main__":

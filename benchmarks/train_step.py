@@ -129,7 +129,8 @@ def main():
         for v in variants
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
-    write_csv("train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed", rows)
+    name = "train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed"
+    write_csv(name + ("_revisions" if args.revisions else ""), rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The measurements behind the tuning choices in the ``torch`` backend, each choice against its
-alternative, interleaved in one run (fp32, the reference LM's widths):
+"""The measurements behind the tuning choices in the ``torch`` backend: in each case what the code
+does (``a``, following its own constants) against the alternative (``b``), interleaved in one
+run (fp32, the reference LM's widths):
 
   logits     one source's logits for S queries x 8 heads: one block-diagonal [S*8, D] matmul
              against an einsum per head (common.BLOCK_DIAGONAL_ROWS)
@@ -30,14 +31,19 @@ from attnres.ops.backends import torch as backend  # noqa: E402
 D, HEADS, SOURCES = 512, 8, 9
 
 
+def code_first(pair: dict, code_takes_first: bool) -> dict:
+    return pair if code_takes_first else dict(reversed(pair.items()))
+
+
 def logits_pair(queries: int, tokens: int) -> dict:
     g = torch.Generator().manual_seed(0)
     v = torch.randn(tokens, D, generator=g)
     qg = torch.randn(queries, D, generator=g)
     block = shared.head_matrix(qg, HEADS)
     per_head = qg.view(queries, HEADS, D // HEADS)
-    return {"block-diagonal": lambda: shared.source_logits(v, block, HEADS),
+    pair = {"block-diagonal": lambda: shared.source_logits(v, block, HEADS),
             "per-head": lambda: shared.source_logits(v, per_head, HEADS)}
+    return code_first(pair, queries * HEADS <= shared.BLOCK_DIAGONAL_ROWS)
 
 
 def dots_pair(tokens: int) -> dict:
@@ -70,8 +76,9 @@ def few_pair(tokens: int) -> dict:
     sources = [torch.randn(tokens, D, generator=g) for _ in range(SOURCES)]
     weights = torch.softmax(torch.randn(SOURCES, 2, tokens, HEADS, generator=g), 0)
     lead, dh = (tokens,), D // HEADS
-    return {"stacked": lambda: backend._stacked_weighted_sums(weights, sources, lead, HEADS, dh),
+    pair = {"stacked": lambda: backend._stacked_weighted_sums(weights, sources, lead, HEADS, dh),
             "per-source": lambda: backend._weighted_sums(weights, sources, lead, HEADS, dh)}
+    return code_first(pair, tokens <= backend.FEW_TOKENS)
 
 
 def main():
