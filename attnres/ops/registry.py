@@ -125,7 +125,6 @@ MODULES: dict[str, ModuleType] = {}
 _warned: set[str] = set()
 
 
-
 def functions(name: str) -> ModuleType:
     """The module of backend ``name``, imported on first use (``MODULES``)."""
     if name not in MODULES:
