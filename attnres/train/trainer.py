@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -126,18 +127,43 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-class _Metrics:
-    """JSONL metrics on the main rank, mirrored to TensorBoard when it is installed."""
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the rows of the JSONL log ``path`` written after ``step``: a run that stopped after
+    its checkpoint at ``step`` logged them, and resuming from that checkpoint logs them again.
+    A row cut short by a crash is dropped too. The file is replaced atomically."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+
+class _Metrics:
+    """JSONL metrics on the main rank, mirrored to TensorBoard when it is installed. Resuming
+    from the checkpoint at ``resume_step`` first drops what was logged after it."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int | None = None):
         self.enabled = enabled
+        if enabled and resume_step is not None:
+            truncate_log(run_dir / "metrics.jsonl", resume_step)
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                # purge_step: events at later steps, from before a crash, are discarded
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
             except ImportError:
                 warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only", stacklevel=2)
 
@@ -225,7 +251,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
 
     if info.is_main:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    metrics = _Metrics(run_dir, info.is_main, r.tensorboard)
+    metrics = _Metrics(run_dir, info.is_main, r.tensorboard, start_step if resume else None)
     tokens_per_step = r.batch_size * r.seq_len
     per_rank = r.batch_size // info.world_size
     record_from = int(r.steps * 0.9)  # gradient norms are averaged over the last 10% of steps
