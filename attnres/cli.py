@@ -42,6 +42,8 @@ def cmd_train(args) -> int:
 
     from .train.trainer import train
 
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --run-dir and --overwrite starts it over: give one")
     cfg = _config_from_args(args)
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / time.strftime(
         f"{cfg.run.name or cfg.model.residual}-%Y%m%d-%H%M%S")
@@ -54,7 +56,7 @@ def cmd_train(args) -> int:
         cfg = from_dict(json.loads(saved.read_text()))
         for assignment in args.set or []:  # e.g. --set run.steps=2000 to train further
             cfg = apply_override(cfg, assignment)
-    result = train(cfg, run_dir, resume=args.resume)
+    result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
     from .train import distributed
 
     distributed.teardown()
@@ -108,7 +110,8 @@ def cmd_report(args) -> int:
 def cmd_convert(args) -> int:
     from .hf import convert_checkpoint
 
-    info = convert_checkpoint(args.src, args.dst, heads=args.heads, block_layers=args.block_layers)
+    info = convert_checkpoint(args.src, args.dst, heads=args.heads, block_layers=args.block_layers,
+                              overwrite=args.overwrite)
     share = 100 * info["added_parameters"] / info["base_parameters"]
     print(f"converted to {info['model_type']}: added {info['added_parameters']:,} routing parameters "
           f"({share:.4f}% of {info['base_parameters']:,}); saved to {args.dst}")
@@ -142,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, "small")
     p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("generate", help="sample from a trained run with the KV cache")
@@ -162,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="folder to write the converted model to")
     p.add_argument("--heads", type=int, default=8, help="depth-attention heads (default: %(default)s)")
     p.add_argument("--block-layers", type=int, default=4, help="transformer layers per block (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a destination folder that is not empty")
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("eval", help="evaluate a saved model with lm-evaluation-harness")

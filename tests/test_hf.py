@@ -228,3 +228,60 @@ def test_lm_eval_loglikelihoods_match_the_model(kind, task_dir, tmp_path):
         lls = [r[0][0] for r in sample["resps"]]
         expected = [own_loglikelihood(reloaded, doc["context"], " " + c) for c in doc["choices"]]
         assert lls == pytest.approx(expected, abs=1e-4)
+
+
+def saved_source(tmp_path):
+    src = tmp_path / "src"
+    source_model("llama").save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    return src, {p.name: p.read_bytes() for p in src.iterdir()}
+
+
+def run_convert(src, dst, *extra):
+    return subprocess.run([sys.executable, "-m", "attnres", "convert", str(src), str(dst), "--heads", "4",
+                           "--block-layers", "2", *extra], capture_output=True, text=True)
+
+
+def test_convert_never_harms_its_source(tmp_path):
+    """The source as destination, a folder inside it, a folder holding it: refused with a one-line
+    error before any work, the source's files byte for byte as they were."""
+    src, files = saved_source(tmp_path)
+    for dst, message in [(src, "is the source model's folder or inside it"),
+                         (src / "converted", "is the source model's folder or inside it"),
+                         (tmp_path, "holds the source model")]:
+        for extra in ([], ["--overwrite"]):
+            proc = run_convert(src, dst, *extra)
+            assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+            assert {p.name: p.read_bytes() for p in src.iterdir()} == files
+
+
+def test_convert_refuses_a_folder_that_holds_files_unless_told(tmp_path):
+    src, _ = saved_source(tmp_path)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("somebody's file")
+    proc = run_convert(src, dst)
+    assert proc.returncode == 2 and "exists and is not empty; pass --overwrite" in proc.stderr
+    assert [p.name for p in dst.iterdir()] == ["notes.txt"]
+    proc = run_convert(src, dst, "--overwrite")  # replaced whole: no mix of two folders' files
+    assert proc.returncode == 0, proc.stderr
+    assert not (dst / "notes.txt").exists() and (dst / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
+    from attnres.hf import convert as convert_module
+
+    src, _ = saved_source(tmp_path)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old.txt").write_text("the previous model")
+
+    def failing_copy(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert_module.shutil, "copy2", failing_copy)  # fails after the weights are written
+    with pytest.raises(OSError, match="disk full"):
+        convert_module.convert_checkpoint(src, dst, heads=4, block_layers=2, overwrite=True)
+    assert [p.name for p in dst.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no half-written folder beside it

@@ -216,3 +216,22 @@ def test_resuming_a_finished_run_says_how_to_continue(tmp_path, corpus):
     longer = quiet(tiny(), steps=4, log_every=1)
     result = train(longer, tmp_path, corpus=corpus, resume=True)
     assert result.summary["steps"] == 4
+
+
+def test_train_refuses_a_folder_that_holds_a_run(tmp_path):
+    """A second ``train`` into a run's folder neither overwrites its config and checkpoints nor
+    appends to its log: refused before any work, unless --resume or --overwrite."""
+    common = ["--preset", "tiny", "--run-dir", str(tmp_path), "--set", "run.progress=false",
+              "--set", "run.tensorboard=false", "--set", "run.steps=4"]
+    assert run_cli("train", *common).returncode == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = run_cli("train", *common, "--set", "optim.lr=0.01")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--overwrite" in proc.stderr, proc.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    proc = run_cli("train", *common, "--resume", "--overwrite")
+    assert proc.returncode == 2 and "give one" in proc.stderr
+    proc = run_cli("train", *common, "--set", "optim.lr=0.01", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4]  # one run's rows, not two
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.01

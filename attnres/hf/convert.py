@@ -14,7 +14,9 @@ with the Auto classes when ``attnres.hf`` is imported.
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -185,15 +187,47 @@ def convert(source, *, heads: int = 8, block_layers: int = 4):
     return converted.to(dtype).eval() if not source.training else converted.to(dtype)
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int = 4) -> dict:
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Raise ``ValueError`` for a destination that would harm the source or another folder's
+    files: the source itself, a folder inside it or around it, or (without ``overwrite``) a
+    folder that exists and is not empty."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise ValueError(f"destination {dst} is the source model's folder or inside it; choose another folder")
+    if d in s.parents:
+        raise ValueError(f"destination {dst} holds the source model {src}; choose another folder")
+    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
+        raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int = 4,
+                       overwrite: bool = False) -> dict:
     """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
-    files; returns ``{"added_parameters", "base_parameters", "model_type"}``."""
+    files; returns ``{"added_parameters", "base_parameters", "model_type"}``.
+
+    The destination is checked before any work (``check_destination``). The model is written to
+    a temporary folder beside ``dst`` and renamed into place when complete, so an interrupted
+    conversion leaves ``dst`` as it was; with ``overwrite`` the old ``dst`` goes only then."""
+    src, dst = Path(src), Path(dst)
+    check_destination(src, dst, overwrite)
     model = convert(src, heads=heads, block_layers=block_layers)
-    dst = Path(dst)
-    model.save_pretrained(str(dst))
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists():
-            shutil.copy2(Path(src) / name, dst / name)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
+            os.replace(dst, old / dst.name)
+            os.replace(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     added = sum(p.numel() for p in routing_parameters(model).values())
     return {"added_parameters": added, "base_parameters": sum(p.numel() for p in model.parameters()) - added,
             "model_type": model.config.model_type}

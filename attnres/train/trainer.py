@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -199,12 +200,38 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
 
 
-def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False) -> TrainResult:
+#: what a run writes into its folder (``overwrite`` removes these and nothing else)
+RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints", "tensorboard")
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any work, to start a new run in a folder that holds one (its config,
+    checkpoints and log would be overwritten or appended to) unless ``resume`` or
+    ``overwrite``; with ``overwrite`` the old run's files go."""
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not held or resume:
+        return
+    if not overwrite:
+        raise ValueError(f"{run_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                         "or start over with --overwrite")
+    for name in held:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
+          overwrite: bool = False) -> TrainResult:
     """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
 
-    ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped.
+    ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped. A
+    folder that already holds a run is refused unless ``resume`` or ``overwrite`` (which removes
+    that run's files first).
     """
     cfg.validate()
+    check_run_dir(Path(run_dir), resume, overwrite)
     info = dist.setup(cfg.run.device)
     r, o = cfg.run, cfg.optim
     if r.batch_size % (info.world_size * r.grad_accum):
