@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample from a trained run with the KV cache")
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to add (default: 200, or what the model's context has room for)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -283,10 +283,17 @@ class Transformer(nn.Module):
                        dtype=ref.dtype, device=ref.device)
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue ``prompt`` ``[B, T]`` by ``max_new_tokens`` tokens with a KV cache; returns
-        ``[B, T + max_new_tokens]``. ``temperature=0`` is greedy; ``top_k`` keeps the k likeliest."""
+        ``[B, T + max_new_tokens]``. ``temperature=0`` is greedy; ``top_k`` keeps the k likeliest.
+        ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``, or as many as the context has room for.
+        A prompt and request longer than ``max_seq_len`` are refused (no sliding window)."""
+        T = prompt.shape[-1]
+        if max_new_tokens is None:
+            if T >= self.config.max_seq_len:
+                raise ValueError(f"prompt length {T} leaves no room in the context: max_seq_len={self.config.max_seq_len}")
+            max_new_tokens = min(DEFAULT_NEW_TOKENS, self.config.max_seq_len - T)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if temperature < 0:
@@ -310,6 +317,10 @@ class Transformer(nn.Module):
             if step + 1 < max_new_tokens:
                 logits = self(next_token, cache=cache, start_pos=T + step)[:, -1]
         return torch.cat(out, dim=1)
+
+
+#: how many tokens ``generate`` adds when not told, where the context has room
+DEFAULT_NEW_TOKENS = 200
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

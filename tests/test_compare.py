@@ -87,3 +87,15 @@ def test_generate_from_a_run(comparison):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("import ") and len(proc.stdout.encode()) >= len("import ") + 1
+
+
+def test_generate_with_its_defaults_fits_the_context(comparison):
+    """The tiny preset's context is 64 tokens: the default request fills it instead of failing."""
+    proc = subprocess.run([sys.executable, "-m", "attnres", "generate", str(comparison.parent / "block")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def ")
+    too_long = subprocess.run([sys.executable, "-m", "attnres", "generate", str(comparison.parent / "block"),
+                               "--max-new-tokens", "61"], capture_output=True, text=True)
+    assert too_long.returncode == 2
+    assert "prompt length 4 + max_new_tokens 61 exceeds max_seq_len=64" in too_long.stderr

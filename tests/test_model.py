@@ -248,3 +248,16 @@ def test_residual_options_are_the_stream_constructors():
         tiny_config(residual="block", gr_rank=3)
     cfg = apply_override(apply_override(tiny(), "model.residual=gr"), "model.gr_rank=5")
     assert cfg.model.gr_rank == 5 and Transformer(cfg.model).stream.rank == 5
+
+
+def test_generate_by_default_fills_what_the_context_has_room_for():
+    from attnres.model import DEFAULT_NEW_TOKENS
+
+    model = tiny_model("block")  # max_seq_len 64
+    assert model.generate(tokens(b=2, t=8)).shape == (2, 64)
+    long_context = Transformer(tiny_config(residual="prenorm", max_seq_len=300))
+    assert long_context.generate(tokens(b=1, t=8)).shape == (1, 8 + DEFAULT_NEW_TOKENS)
+    with pytest.raises(ValueError, match="prompt length 64 leaves no room in the context: max_seq_len=64"):
+        model.generate(tokens(b=1, t=64))
+    with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 60 exceeds max_seq_len=64"):
+        model.generate(tokens(b=1, t=10), 60)
