@@ -270,7 +270,9 @@ def test_convert_refuses_a_folder_that_holds_files_unless_told(tmp_path):
 
 
 def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
-    from attnres.hf import convert as convert_module
+    import importlib
+
+    convert_module = importlib.import_module("attnres.hf.convert")  # the module; attnres.hf.convert is the function
 
     src, _ = saved_source(tmp_path)
     dst = tmp_path / "dst"

@@ -91,9 +91,9 @@ def test_lr_schedules():
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     cfg = quiet(tiny(), steps=4, ckpt_every=2)
     train(cfg, tmp_path, corpus=corpus)  # a good run leaves step-4
-    bad = quiet(apply_override(tiny(), "optim.lr=1e20"), steps=4)  # the first large steps blow it up
-    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step [1-3]; stopping.*step-0000004\) is kept"):
-        train(bad, tmp_path, corpus=corpus)
+    bad = quiet(apply_override(tiny(), "optim.lr=1e20"), steps=8)  # continued, the first large steps blow it up
+    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step [5-7]; stopping.*step-0000004\) is kept"):
+        train(bad, tmp_path, corpus=corpus, resume=True)
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000004"
 
 
@@ -198,6 +198,11 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         (["--set", "model.residual=block", "--set", "model.block_size=99"], r"block_size=99 must be an integer in \[1, 4\]"),
         (["--data", "/nonexistent/corpus"], "data path /nonexistent/corpus does not exist"),
         (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--set", "optim.grad_clip=-1"], r"optim.grad_clip=-1.0 must be in \(0, inf\)"),
+        (["--set", "run.eval_every=0"], r"run.eval_every=0 must be an integer in \[1, inf\)"),
+        (["--set", "optim.lr=nan"], r"optim.lr=nan must be in \(0, inf\)"),
+        (["--set", "run.device=gpu"], "run.device='gpu' must be 'auto' or a torch device"),
+        (["--set", "model.residual=block", "--set", "model.heads=3"], "heads=3 must be a positive integer dividing dim=32"),
     ],
 )
 def test_cli_errors_are_clear(tmp_path, args, message):
@@ -235,3 +240,11 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4]  # one run's rows, not two
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.01
+
+
+def test_reliability_doc_lists_every_field_and_its_range():
+    from attnres.train.config import FIELDS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| (.+?) \|$", doc, flags=re.M))
+    assert rows == {key: str(accepted) for key, accepted in FIELDS.items()}
