@@ -8,13 +8,16 @@ import sys
 from pathlib import Path
 
 
-def _config_from_args(args):
+def _config_from_args(args, assignments=None):
+    """The preset with ``--data`` and the ``--set`` assignments (or ``assignments``) applied."""
     from .train.config import apply_override, preset
 
     cfg = preset(args.preset)
     if args.data:
         cfg = apply_override(cfg, f"data.source={args.data}")
-    for assignment in args.set or []:
+    if assignments is None:
+        assignments = args.set or []
+    for assignment in assignments:
         cfg = apply_override(cfg, assignment)
     cfg.validate()
     return cfg
@@ -29,10 +32,11 @@ def _add_config_args(p, default_preset):
 
 
 def cmd_compare(args) -> int:
-    from .train.compare import compare
+    from .train.compare import compare, split_residual_overrides
 
-    cfg = _config_from_args(args)
-    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out)
+    shared, overrides = split_residual_overrides(args.set or [])  # residual options go to the designs
+    cfg = _config_from_args(args, shared)
+    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out, overrides=overrides)
     print(path)
     return 0
 

@@ -99,3 +99,36 @@ def test_generate_with_its_defaults_fits_the_context(comparison):
                                "--max-new-tokens", "61"], capture_output=True, text=True)
     assert too_long.returncode == 2
     assert "prompt length 4 + max_new_tokens 61 exceeds max_seq_len=64" in too_long.stderr
+
+
+def run_compare(tmp_path, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "attnres", "compare", "--preset", "tiny", "--out", str(tmp_path),
+         "--set", "run.steps=2", "--set", "run.eval_every=2", "--set", "run.progress=false", *args],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_residual_options_given_to_compare_apply_to_the_designs_that_take_them(tmp_path):
+    proc = run_compare(tmp_path, "--designs", "prenorm", "block", "--set", "model.num_blocks=2",
+                       "--set", "model.two_phase=false")
+    assert proc.returncode == 0, proc.stderr
+    report = Path(proc.stdout.strip().splitlines()[-1])
+    block = json.loads((report.parent / "block" / "config.json").read_text())["model"]
+    prenorm = json.loads((report.parent / "prenorm" / "config.json").read_text())["model"]
+    assert (block["residual"], block["num_blocks"], block["two_phase"]) == ("block", 2, False)
+    assert (prenorm["residual"], prenorm["num_blocks"], prenorm["two_phase"]) == ("prenorm", None, True)
+    assert "| block | block | num_blocks=2, two_phase=False |" in report.read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--designs", "prenorm", "mhc", "--set", "model.num_blocks=2"],
+     r"model.num_blocks=2 applies to none of the designs \['prenorm', 'mhc'\]; it is an option of \['block', 'delta'\]"),
+    (["--designs", "prenorm", "block", "--set", "model.residual=block"],
+     r"the designs choose the residual kind, and \['prenorm'\] are not 'block'"),
+    (["--designs", "block", "--set", "model.block_size=99"], r"block_size=99 must be an integer in \[1, 4\]"),
+])
+def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message):
+    proc = run_compare(tmp_path, *args)
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []  # refused before any work

@@ -167,6 +167,13 @@ def write_report(compare_dir: Path) -> Path:
             f"{_mean(r['summary']['step_time_s'] for r in rs) / base_step:.2f}x | "
             f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |"
         )
+    options = {r["design"]: r.get("options") for r in runs if r.get("options")}
+    if options:
+        lines += ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
+                  "", "| design | residual | options |", "|---|---|---|"]
+        for name, opts in options.items():
+            rest = ", ".join(f"{k}={v}" for k, v in opts.items() if k != "residual") or "defaults"
+            lines.append(f"| {name} | {opts['residual']} | {rest} |")
     lines += [
         "",
         "Step times were measured one design after another on a shared machine; the benchmarks "

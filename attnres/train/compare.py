@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import typing
 from pathlib import Path
 
 from ..analysis.capture import capture_analysis
 from ..analysis.report import write_report
 from ..model import ModelConfig
-from ..streams import MODEL_OPTIONS
-from .config import TrainConfig
+from ..streams import MODEL_OPTIONS, STREAMS
+from .config import TrainConfig, parse_value
 from .data import batch_at, load_corpus
 from .trainer import EVAL_SEED, train
 
@@ -31,8 +32,9 @@ DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
 
 
-def design_config(base: ModelConfig, label: str) -> ModelConfig:
-    """``base``'s sizes with design ``label``'s residual options."""
+def design_options(base: ModelConfig, label: str, overrides: dict | None = None) -> dict:
+    """Design ``label``'s residual kind and options for ``base``'s sizes, with ``overrides``
+    (residual options the user set) replacing the design's own where its kind takes them."""
     if label not in DESIGNS:
         raise ValueError(f"unknown design {label!r}; expected one of {sorted(DESIGNS)}")
     options = dict(DESIGNS[label])
@@ -40,16 +42,65 @@ def design_config(base: ModelConfig, label: str) -> ModelConfig:
         options["heads"] = base.n_kv_heads
     if "num_blocks" in options:
         options["num_blocks"] = min(options["num_blocks"], base.num_sublayers)
+    takes = STREAMS[options["residual"]].options()
+    for name, value in (overrides or {}).items():
+        if name == "residual" or MODEL_OPTIONS[name].name in takes:
+            options[name] = value
+    if options.get("block_size") is not None:  # a block size the user gave replaces the design's count
+        options.pop("num_blocks", None)
+    return options
+
+
+def design_config(base: ModelConfig, label: str, overrides: dict | None = None) -> ModelConfig:
+    """``base``'s sizes with design ``label``'s residual options (``design_options``)."""
     sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
-    return ModelConfig(**sizes, **options)
+    return ModelConfig(**sizes, **design_options(base, label, overrides))
+
+
+def check_overrides(designs, overrides: dict) -> None:
+    """Every residual option the user set must apply to at least one chosen design, and
+    ``residual`` (the designs choose it) must agree with all of them."""
+    kinds = {label: DESIGNS[label]["residual"] for label in designs}
+    for name, value in overrides.items():
+        if name == "residual":
+            other = [label for label, kind in kinds.items() if kind != value]
+            if other:
+                raise ValueError(f"--set model.residual={value!r}: the designs choose the residual kind, and "
+                                 f"{other} are not {value!r}; leave it out or choose designs of that kind")
+            continue
+        option = MODEL_OPTIONS[name].name
+        if not any(option in STREAMS[kind].options() for kind in kinds.values()):
+            takers = sorted(k for k, cls in STREAMS.items() if option in cls.options())
+            raise ValueError(f"--set model.{name}={value!r} applies to none of the designs {list(designs)}; "
+                             f"it is an option of {takers}")
+
+
+def split_residual_overrides(assignments) -> tuple[list[str], dict]:
+    """``--set`` assignments split into those of the shared config and the residual ones
+    (``model.residual`` and ``model.<option>``), the latter parsed: ``(others, {field: value})``."""
+    hints = typing.get_type_hints(ModelConfig)
+    others, overrides = [], {}
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        section, _, name = key.partition(".")
+        if section == "model" and (name in MODEL_OPTIONS or name == "residual") and "=" in assignment:
+            overrides[name] = parse_value(value, hints[name], key)
+        else:
+            others.append(assignment)
+    return others, overrides
 
 
 def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str | Path = "runs",
-            log=print) -> Path:
+            log=print, overrides: dict | None = None) -> Path:
     """Train every design for every seed into ``out_dir/compare-<timestamp>/``; returns the
-    path of the report."""
+    path of the report. ``overrides``: residual options (``model.<option>`` fields) that apply
+    to every chosen design that takes them, replacing the design's own value."""
     base.validate()
-    configs = {label: design_config(base.model, label) for label in designs}  # fail fast on bad labels
+    overrides = overrides or {}
+    check_overrides(designs, overrides)
+    configs = {label: design_config(base.model, label, overrides) for label in designs}  # fail fast on bad labels
+    for label, config in configs.items():
+        dataclasses.replace(base, model=config).validate()
     root = Path(out_dir) / time.strftime("compare-%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=False)
     corpus = load_corpus(base.data, base.model.vocab_size, bpe_dir=root)
@@ -65,7 +116,8 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
             analysis = capture_analysis(result.model, x)
             (root / name / "analysis.json").write_text(json.dumps(analysis))
             log(f"[{time.time() - start:5.0f}s] {name}: validation loss {result.summary['final_val_loss']:.4f}")
-            index["runs"].append({"design": label, "seed": seed, "dir": name})
+            index["runs"].append({"design": label, "seed": seed, "dir": name,
+                                  "options": design_options(base.model, label, overrides)})
             (root / "compare.json").write_text(json.dumps(index, indent=2))
     index["wall_time_s"] = time.time() - start
     (root / "compare.json").write_text(json.dumps(index, indent=2))

@@ -239,7 +239,7 @@ def preset(name: str) -> TrainConfig:
 
 # -- overrides -------------------------------------------------------------------------------
 
-def _parse(value: str, annotation, key: str):
+def parse_value(value: str, annotation, key: str):
     """Parse ``value`` for a field annotated ``annotation`` (str, int, float, bool, X | None)."""
     args = typing.get_args(annotation)
     if type(annotation) in (types.UnionType, typing.Union) or typing.get_origin(annotation) is typing.Union:
@@ -271,7 +271,7 @@ def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if field_name not in fields:
         raise ValueError(f"--set {key!r}: unknown field; {section_name} has {sorted(fields)}")
-    parsed = _parse(value, typing.get_type_hints(type(section))[field_name], key)
+    parsed = parse_value(value, typing.get_type_hints(type(section))[field_name], key)
     if section_name == "model":  # re-run the model's validation on the new value
         new_section = ModelConfig(**{**dataclasses.asdict(section), field_name: parsed})
     else:
