@@ -1,0 +1,133 @@
+"""Property-based tests (hypothesis): every routing backend and every design on random shapes
+against an independent reference, values and gradients.
+
+The default profile is derandomized (the same cases at every run, for CI); set
+``ATTNRES_HYPOTHESIS=long`` to try many more. docs/RELIABILITY.md gives the counts.
+"""
+
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attnres import build_stream, ops  # noqa: E402
+from attnres.ops import BACKENDS, Request, depth_attention_naive  # noqa: E402
+
+from .conftest import DESIGNS, tiny_model  # noqa: E402
+from .test_backends import assert_close_to_scale, stream_pair  # noqa: E402
+
+PROFILES = {"ci": 50, "long": 1000}  # examples per test
+for name, examples in PROFILES.items():
+    settings.register_profile(name, max_examples=examples, derandomize=name == "ci", deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("ATTNRES_HYPOTHESIS", "ci"))
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-11}
+
+
+def usable(backend, dtype, score, key_norm):
+    return BACKENDS[backend].problem(Request("cpu", dtype, score, key_norm)) is None
+
+
+@st.composite
+def routing_cases(draw):
+    backend = draw(st.sampled_from(list(BACKENDS)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    score = draw(st.sampled_from(["softmax", "sigmoid"]))
+    key_norm = draw(st.booleans())
+    heads = draw(st.integers(1, 4))
+    dim = heads * draw(st.integers(1, 6))
+    lead = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2)))
+    return dict(backend=backend, dtype=dtype, score=score, key_norm=key_norm, heads=heads, dim=dim, lead=lead,
+                sources=draw(st.integers(1, 6)), queries=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)))
+
+
+@given(routing_cases())
+def test_attend_and_merge_match_the_reference_on_random_shapes(case):
+    """Phase 1 of several queries and the merge of a partial source equal the reference read
+    over all the sources, forward and every gradient."""
+    backend, dtype = case["backend"], case["dtype"]
+    assume(usable(backend, dtype, case["score"], case["key_norm"]))
+    fns = ops.backend(backend)
+    g = torch.Generator().manual_seed(case["seed"])
+    D, S, heads = case["dim"], case["queries"], case["heads"]
+    sources = [(torch.randn(*case["lead"], D, generator=g, dtype=dtype) * (1 + j)).requires_grad_()
+               for j in range(case["sources"] + 1)]  # the last one is the partial
+    qs = (0.5 * torch.randn(S, D, generator=g, dtype=dtype)).requires_grad_()
+    ks = (1 + 0.3 * torch.randn(S, D, generator=g, dtype=dtype)).requires_grad_() if case["key_norm"] else None
+    kw = dict(heads=heads, score=case["score"], key_norm=case["key_norm"])
+    outs, lse = fns.attend(qs, sources[:-1], ks, **kw)
+    merged = [fns.merge(outs[s], lse[s], sources[-1], qs[s], None if ks is None else ks[s], **kw) for s in range(S)]
+    refs = [depth_attention_naive(qs[s], sources, None if ks is None else ks[s], **kw) for s in range(S)]
+    tol = TOL[dtype]
+    for a, b in zip(merged, refs):
+        assert_close_to_scale(a, b, tol)
+    inputs = [qs, *sources] + ([ks] if ks is not None else [])
+    cots = [torch.randn(r.shape, generator=g, dtype=dtype) for r in refs]
+    fast = torch.autograd.grad(merged, inputs, cots, allow_unused=True)
+    ref = torch.autograd.grad(refs, inputs, cots, allow_unused=True)
+    for a, b in zip(fast, ref):
+        assert_close_to_scale(a, b, 10 * tol)
+
+
+@st.composite
+def stream_cases(draw):
+    kind = draw(st.sampled_from(["full", "block", "delta"]))
+    backend = draw(st.sampled_from(list(BACKENDS)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    heads = draw(st.integers(1, 3))
+    m = draw(st.integers(1, 7))
+    options = dict(heads=heads, backend=backend)
+    if kind != "full":
+        options["block_size"] = draw(st.integers(1, m))
+        options["two_phase"] = draw(st.booleans())
+    lead = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    return kind, options, m, dtype, heads * draw(st.integers(1, 4)), lead, draw(st.booleans())
+
+
+@given(stream_cases())
+def test_streams_match_the_per_sublayer_reference_on_random_shapes(case):
+    """Every read and the output of Full, Block and Delta, on every backend, two-phase or not,
+    with autograd on (values and gradients) or off (the inference path), equal the per-sublayer
+    naive stream's."""
+    kind, options, m, dtype, dim, lead, grad = case
+    assume(usable(options["backend"], dtype, "softmax", True))
+    fast, ref, weights, e = stream_pair(kind, options, m, dtype, seed=m, lead=lead, dim=dim)
+    tol = TOL[dtype]
+    results = []
+    for stream in (fast, ref):
+        e_ = e.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            state, reads = stream.init(e_), []
+            for i, w in enumerate(weights):
+                reads.append(stream.read(state, i))
+                state = stream.write(state, i, torch.tanh(reads[-1] @ w))
+            out = stream.output(state)
+            grads = ()
+            if grad:
+                loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + (out**2).sum()
+                grads = torch.autograd.grad(loss, [e_, *stream.parameters()])
+        results.append((reads + [out], grads))
+    for a, b in zip(results[0][0], results[1][0]):
+        assert_close_to_scale(a.detach(), b.detach(), tol)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_close_to_scale(a, b, tol)
+
+
+@given(design=st.sampled_from(list(DESIGNS)), batch=st.integers(1, 2), prompt=st.integers(1, 6),
+       new=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_kv_cache_decoding_equals_the_full_forward_for_every_design(design, batch, prompt, new, seed):
+    """Logits of a prompt and then one token at a time with the KV cache equal one forward over
+    the whole sequence (the reference that needs no cache)."""
+    model = tiny_model(design, seed=seed % 7).eval()
+    x = torch.randint(0, 64, (batch, prompt + new), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache(batch, prompt + new)
+        steps = [model(x[:, :prompt], cache=cache, start_pos=0)]
+        steps += [model(x[:, t:t + 1], cache=cache, start_pos=t) for t in range(prompt, prompt + new)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
