@@ -47,3 +47,29 @@ def test_two_ranks_match_one_process(single, tmp_path, parallel):
 
     weights, _ = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     assert weights["tok_embeddings.weight"].shape == (256, 32)
+
+
+def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
+           "train", *COMMON, "--set", "run.steps=400", "--set", "run.ckpt_every=5", "--run-dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    log = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not log.exists() or len(log.read_text().splitlines()) < 12) and agent.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    workers = [int(p) for p in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()]
+    assert agent.poll() is None and len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)  # one rank dies mid-step
+    killed = time.time()
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode != 0 and time.time() - killed < 60, err[-2000:]
+    for pid in workers:  # no rank is left waiting on the dead one
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
+         "train", *COMMON, "--set", "run.steps=20", "--run-dir", str(tmp_path / "run"), "--resume"], tmp_path)
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"train"' in line]
+    assert steps == list(range(1, 21))  # every step once, across the crash
