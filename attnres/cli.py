@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .files import read_json
+
 
 def _config_from_args(args, assignments=None):
     """The preset with ``--data`` and the ``--set`` assignments (or ``assignments``) applied."""
@@ -57,7 +59,7 @@ def cmd_train(args) -> int:
             raise ValueError(f"--resume: {saved} does not exist")
         from .train.config import apply_override, from_dict
 
-        cfg = from_dict(json.loads(saved.read_text()))
+        cfg = from_dict(read_json(saved))
         for assignment in args.set or []:  # e.g. --set run.steps=2000 to train further
             cfg = apply_override(cfg, assignment)
     result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
@@ -81,7 +83,7 @@ def load_run(run_dir: Path):
     cfg_path = run_dir / "config.json"
     if not cfg_path.exists():
         raise ValueError(f"{run_dir} is not a training run: config.json is missing")
-    cfg = from_dict(json.loads(cfg_path.read_text()))
+    cfg = from_dict(read_json(cfg_path))
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint")

@@ -12,7 +12,7 @@ from attnres.ops import BACKENDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "attnres"
 # each imports only from those before it (train's compare drives analysis; hf's finetune uses train's step)
-LAYERS = ["cache", "ops", "streams", "model", "analysis", "train", "hf", "cli|__main__|__init__"]
+LAYERS = ["cache|files", "ops", "streams", "model", "analysis", "train", "hf", "cli|__main__|__init__"]
 
 
 def modules(folder: str):

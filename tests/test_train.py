@@ -283,3 +283,10 @@ def test_sigkill_at_random_moments_then_resume_ends_bit_identical(tmp_path):
     b, _ = load_checkpoint(latest_checkpoint(crashed / "checkpoints"))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert log_rows(crashed) == log_rows(tmp_path / "straight")
+
+
+def test_a_corrupt_run_config_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    for args in (["train", "--resume", "--run-dir", str(tmp_path)], ["generate", str(tmp_path)]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr, proc.stderr

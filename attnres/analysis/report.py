@@ -7,10 +7,11 @@ lists them in order. Every number in the report is read from those files.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
+
+from ..files import read_json, read_jsonl
 
 
 def _matplotlib():
@@ -29,7 +30,7 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
     index_path = compare_dir / "compare.json"
     if not index_path.exists():
         raise ValueError(f"{compare_dir} is not a comparison folder: compare.json is missing")
-    index = json.loads(index_path.read_text())
+    index = read_json(index_path)
     runs = []
     for entry in index["runs"]:
         d = compare_dir / entry["dir"]
@@ -37,11 +38,11 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
         if missing:
             raise ValueError(f"run {d} is incomplete: {missing} missing")
         run = dict(entry)
-        run["summary"] = json.loads((d / "summary.json").read_text())
-        run["config"] = json.loads((d / "config.json").read_text())
-        run["metrics"] = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line]
+        run["summary"] = read_json(d / "summary.json")
+        run["config"] = read_json(d / "config.json")
+        run["metrics"] = read_jsonl(d / "metrics.jsonl")
         analysis = d / "analysis.json"
-        run["analysis"] = json.loads(analysis.read_text()) if analysis.exists() else None
+        run["analysis"] = read_json(analysis) if analysis.exists() else None
         runs.append(run)
     return index, runs
 
