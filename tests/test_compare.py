@@ -127,6 +127,8 @@ def test_residual_options_given_to_compare_apply_to_the_designs_that_take_them(t
     (["--designs", "prenorm", "block", "--set", "model.residual=block"],
      r"the designs choose the residual kind, and \['prenorm'\] are not 'block'"),
     (["--designs", "block", "--set", "model.block_size=99"], r"block_size=99 must be an integer in \[1, 4\]"),
+    (["--designs", "block", "--set", "model.block_size=2", "--set", "model.num_blocks=2"],
+     r"give block_size=2 or num_blocks=2, not both"),
 ])
 def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message):
     proc = run_compare(tmp_path, *args)

@@ -42,11 +42,12 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
         options["heads"] = base.n_kv_heads
     if "num_blocks" in options:
         options["num_blocks"] = min(options["num_blocks"], base.num_sublayers)
+    overrides = overrides or {}
     takes = STREAMS[options["residual"]].options()
-    for name, value in (overrides or {}).items():
+    for name, value in overrides.items():
         if name == "residual" or MODEL_OPTIONS[name].name in takes:
             options[name] = value
-    if options.get("block_size") is not None:  # a block size the user gave replaces the design's count
+    if "block_size" in options and "num_blocks" not in overrides:  # the user's block size replaces the design's count
         options.pop("num_blocks", None)
     return options
 
