@@ -1,6 +1,7 @@
 """Stream invariants: the protocol used directly, with random sublayer outputs."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -288,3 +289,78 @@ def test_default_block_count_is_eight():
     assert (s.block_size, s.num_blocks) == (2, 8)
     s = build_stream("block", dim=D, num_sublayers=4)
     assert (s.block_size, s.num_blocks) == (1, 4)
+
+
+KINDS = ["prenorm", "full", "block", "delta", "hc", "mhc", "gr"]
+ORDERED = ["full", "block", "delta"]  # the designs whose state records how many sublayers it holds
+
+
+def started(kind, m=3):
+    stream = build_stream(kind, dim=D, num_sublayers=m, **({"block_size": 2} if kind in ("block", "delta") else {}))
+    return stream, stream.init(torch.randn(2, 5, D))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_init_refuses_an_embedding_of_the_wrong_width(kind):
+    stream = build_stream(kind, dim=D, num_sublayers=3)
+    with pytest.raises(ValueError, match=r"init takes the embedding \[\.\.\., 12\] \(dim=12\), given \(2, 5, 8\)"):
+        stream.init(torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match=r"given list"):
+        stream.init([1.0] * D)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(2, 5, 8), (2, 4, D), (5, D), (2, 5, 1, D)])
+def test_write_refuses_an_output_of_another_shape(kind, shape):
+    stream, state = started(kind)
+    stream.read(state, 0)
+    with pytest.raises(ValueError, match=rf"write\(0\) takes the sublayer's output \(2, 5, 12\) on cpu \(the "
+                                         rf"embedding's shape and device\), given {re.escape(str(shape))} on cpu"):
+        stream.write(state, 0, torch.randn(shape))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_refuses_an_output_on_another_device(kind):
+    stream, state = started(kind)
+    with pytest.raises(ValueError, match=r"on cpu \(the embedding's shape and device\), given \(2, 5, 12\) on meta"):
+        stream.write(state, 0, torch.empty(2, 5, D, device="meta"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("index", [-1, 3, 1.0, True, "0"])
+def test_read_and_write_refuse_an_index_that_is_not_a_sublayer(kind, index):
+    stream, state = started(kind)
+    for call in (lambda: stream.read(state, index), lambda: stream.write(state, index, torch.randn(2, 5, D))):
+        with pytest.raises(ValueError, match=rf"\({re.escape(repr(index))}\) needs a sublayer index, an integer "
+                                             r"in \[0, 2\]"):
+            call()
+
+
+@pytest.mark.parametrize("kind", ORDERED)
+def test_reads_writes_and_output_out_of_order_are_refused(kind):
+    stream, state = started(kind)
+    v = torch.randn(2, 5, D)
+    with pytest.raises(RuntimeError, match=r"read\(1\) out of order: the state holds the writes of sublayers "
+                                           r"0\.\.-1, so the next sublayer is 0"):
+        stream.read(state, 1)
+    with pytest.raises(RuntimeError, match=r"output needs all 3 sublayers written, the state holds 0"):
+        stream.output(state)
+    state = stream.write(state, 0, v)
+    with pytest.raises(RuntimeError, match=r"write\(0\) out of order: .* so the next sublayer is 1"):
+        stream.write(state, 0, v)  # the same sublayer twice
+    with pytest.raises(RuntimeError, match=r"write\(2\) out of order"):
+        stream.write(state, 2, v)  # one skipped
+    state = stream.write(stream.write(state, 1, v), 2, v)
+    assert stream.output(state).shape == (2, 5, D)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_checks_accept_every_pass_in_order(kind):
+    """The checks accept what the model does: token shapes of any rank, reads repeated before a write."""
+    stream = randomized(build_stream(kind, dim=D, num_sublayers=M))
+    for e in (torch.randn(D, dtype=torch.float64), torch.randn(3, 2, 4, D, dtype=torch.float64)):
+        state = stream.init(e)
+        for i in range(M):
+            assert torch.equal(stream.read(state, i), stream.read(state, i))
+            state = stream.write(state, i, RandomSublayers()(i, stream.read(state, i)))
+        assert stream.output(state).shape == e.shape

@@ -134,30 +134,38 @@ class FullAttnResStream(DepthRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def init(self, e: torch.Tensor) -> FullState:
+    def _init(self, e: torch.Tensor) -> FullState:
         e, memo = self._add_source(self.router.start(e), e, 0)
         return FullState((e,), memo)
 
-    def read(self, state: FullState, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _read(self, state: FullState, i: int, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(i, self._route(i, state.sources, state.memo, trace), trace)
 
-    def write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
+    def _write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
         v, memo = self._add_source(state.memo, v, i + 1)
         return FullState(state.sources + (v,), memo)
 
-    def output(self, state: FullState, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, state: FullState, trace: Trace | None) -> torch.Tensor:
         site = self.num_sublayers
         return self._finish_read(site, self._route(site, state.sources, state.memo, trace), trace)
+
+    def _hidden(self, state: FullState) -> tuple[torch.Size, torch.device]:
+        return state.sources[0].shape, state.sources[0].device
+
+    def _written(self, state: FullState) -> int:
+        return len(state.sources) - 1
 
 
 class BlockState(NamedTuple):
     """``blocks``: the completed sources, ``(e, B_0, ..., B_{n-1})`` (Delta: ``null`` first);
     ``partial``: ``P_i``, the sum of the current block's outputs so far (None when empty);
-    ``memo``: what the routing backend keeps between calls (``ops.RoutingMemo``)."""
+    ``memo``: what the routing backend keeps between calls (``ops.RoutingMemo``);
+    ``written``: how many sublayers the state holds (``i`` before sublayer ``i``)."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     memo: RoutingMemo
+    written: int = 0
 
 
 class BlockRoutingStream(DepthRoutingStream):
@@ -212,7 +220,7 @@ class BlockRoutingStream(DepthRoutingStream):
         sublayer ``first_site``. ``tokens``: for a source ``[D]`` shared by every token (Delta's
         null), the token shape it stands for."""
         source, memo = self._add_source(state.memo, source, first_site, tokens)
-        return BlockState(state.blocks + (source,), None, memo)
+        return state._replace(blocks=state.blocks + (source,), partial=None, memo=memo)
 
     def _open_block(self, state: BlockState, first_site: int) -> BlockState:
         """Phase 1 of the block whose first sublayer is ``first_site`` (two-phase path)."""
@@ -241,6 +249,7 @@ class BlockRoutingStream(DepthRoutingStream):
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
+        state = state._replace(written=i + 1)
         if (i + 1) % self.block_size == 0:
             return self._open_block(self._complete(state, partial, i + 1), i + 1)
         return state._replace(partial=partial)
@@ -263,14 +272,20 @@ class BlockAttnResStream(BlockRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def init(self, e: torch.Tensor) -> BlockState:
+    def _init(self, e: torch.Tensor) -> BlockState:
         return self._open_block(self._complete(self._begin(e), e, 0), 0)
 
-    def read(self, state: BlockState, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _read(self, state: BlockState, i: int, trace: Trace | None) -> torch.Tensor:
         return self._route_block_normed(i, state, trace)
 
-    def write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
+    def _write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         return self._advance(state, i, v)
 
-    def output(self, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, state: BlockState, trace: Trace | None) -> torch.Tensor:
         return self._route_block_normed(self.num_sublayers, state, trace)
+
+    def _hidden(self, state: BlockState) -> tuple[torch.Size, torch.device]:
+        return state.blocks[0].shape, state.blocks[0].device
+
+    def _written(self, state: BlockState) -> int:
+        return state.written

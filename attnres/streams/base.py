@@ -58,7 +58,9 @@ class Option(NamedTuple):
 
 
 class Stream(nn.Module):
-    """Base of every residual design. Subclasses implement the four operations.
+    """Base of every residual design. The four operations check their arguments against the
+    stream (shapes, devices, sublayer indices and, where the state can tell, their order) and
+    hand on to the design's ``_init``, ``_read``, ``_write`` and ``_output``.
 
     Args:
         dim: model width ``D``.
@@ -100,22 +102,72 @@ class Stream(nn.Module):
         self.num_sublayers = num_sublayers
         self.eps = eps
 
-    # -- the protocol -------------------------------------------------------------------------
+    # -- the protocol: checked here, computed by each design's _init/_read/_write/_output -----
     def init(self, e: torch.Tensor) -> Any:
         """The state before sublayer 0, from the embedding ``e`` ``[..., D]``."""
-        raise NotImplementedError
+        if not isinstance(e, torch.Tensor) or e.ndim < 1 or e.shape[-1] != self.dim:
+            given = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            raise ValueError(f"{self.kind} stream: init takes the embedding [..., {self.dim}] (dim={self.dim}), "
+                             f"given {given}")
+        return self._init(e)
 
     def read(self, state: Any, i: int, trace: Trace | None = None) -> torch.Tensor:
         """What sublayer ``i`` consumes, ``[..., D]``, its pre-norm included."""
-        raise NotImplementedError
+        self._check_site(state, i, "read")
+        return self._read(state, i, trace)
 
     def write(self, state: Any, i: int, v: torch.Tensor) -> Any:
         """The state after sublayer ``i`` produced ``v`` ``[..., D]``."""
-        raise NotImplementedError
+        self._check_site(state, i, "write")
+        shape, device = self._hidden(state)
+        if not isinstance(v, torch.Tensor) or v.shape != shape or v.device != device:
+            given = f"{tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"{self.kind} stream: write({i}) takes the sublayer's output {tuple(shape)} on "
+                             f"{device} (the embedding's shape and device), given {given}")
+        return self._write(state, i, v)
 
     def output(self, state: Any, trace: Trace | None = None) -> torch.Tensor:
         """The final normalized hidden state ``[..., D]`` for the LM head."""
+        written = self._written(state)
+        if written is not None and written != self.num_sublayers:
+            raise RuntimeError(f"{self.kind} stream: output needs all {self.num_sublayers} sublayers written, "
+                               f"the state holds {written}")
+        return self._output(state, trace)
+
+    def _check_site(self, state: Any, i: int, operation: str) -> None:
+        """``i`` is a sublayer index, and for a design that reads its sources in order, the next
+        one: sublayer ``i`` is read and written after the writes of ``0..i-1``. Python integer
+        comparisons only, so they cost nothing measurable and compile away under torch.compile."""
+        if type(i) is not int or not 0 <= i < self.num_sublayers:
+            raise ValueError(f"{self.kind} stream: {operation}({i!r}) needs a sublayer index, an integer in "
+                             f"[0, {self.num_sublayers - 1}]")
+        written = self._written(state)
+        if written is not None and written != i:
+            raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds the writes "
+                               f"of sublayers 0..{written - 1}, so the next sublayer is {written}")
+
+    # -- what each design implements ----------------------------------------------------------
+    def _init(self, e: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def _read(self, state: Any, i: int, trace: Trace | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _write(self, state: Any, i: int, v: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def _output(self, state: Any, trace: Trace | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _hidden(self, state: Any) -> tuple[torch.Size, torch.device]:
+        """Shape ``[..., D]`` and device of the embedding the state started from: what every
+        write must match."""
+        raise NotImplementedError
+
+    def _written(self, state: Any) -> int | None:
+        """How many sublayers the state holds, for a design whose state can tell (the AttnRes
+        family); ``None`` for the designs that keep running sums, which cannot."""
+        return None
 
     # -- shared helpers -----------------------------------------------------------------------
     def _make_norms(self) -> None:
@@ -159,8 +211,11 @@ class MultiStream(Stream):
             raise ValueError(f"streams={streams!r} must be an integer >= {minimum} for {self.kind}")
         self.streams = streams
 
-    def init(self, e: torch.Tensor) -> torch.Tensor:
+    def _init(self, e: torch.Tensor) -> torch.Tensor:
         return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
+
+    def _hidden(self, H: torch.Tensor) -> tuple[torch.Size, torch.device]:
+        return H.shape[:-2] + H.shape[-1:], H.device
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, streams={self.streams}"

@@ -48,7 +48,7 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gates)
 
-    def init(self, e: torch.Tensor) -> DeltaState:
+    def _init(self, e: torch.Tensor) -> DeltaState:
         # the null source comes first: one vector for every token, prepared and scored once
         routed = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
         return DeltaState(e, self._open_block(self._complete(routed, e, 0), 0))
@@ -61,11 +61,17 @@ class DeltaAttnResStream(BlockRoutingStream):
             return u
         return self._finish_read(site, u, trace)
 
-    def read(self, state: DeltaState, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _read(self, state: DeltaState, i: int, trace: Trace | None) -> torch.Tensor:
         return self._read_site(i, state, trace)
 
-    def write(self, state: DeltaState, i: int, v: torch.Tensor) -> DeltaState:
+    def _write(self, state: DeltaState, i: int, v: torch.Tensor) -> DeltaState:
         return DeltaState(state.h + v, self._advance(state.routed, i, v))
 
-    def output(self, state: DeltaState, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, state: DeltaState, trace: Trace | None) -> torch.Tensor:
         return self._read_site(self.num_sublayers, state, trace)
+
+    def _hidden(self, state: DeltaState) -> tuple[torch.Size, torch.device]:
+        return state.h.shape, state.h.device
+
+    def _written(self, state: DeltaState) -> int:
+        return state.routed.written

@@ -69,22 +69,22 @@ class GatedResidualStream(MultiStream):
         hidden = F.silu(flat @ self.gate_down[site].T)  # [..., r]
         return torch.sigmoid(hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 
-    def _read(self, R: torch.Tensor, site: int, trace: Trace | None) -> torch.Tensor:
+    def _gated_read(self, R: torch.Tensor, site: int, trace: Trace | None) -> torch.Tensor:
         record_rms(site, R.mean(-2), trace)
         rhat = self._normalized(R, site)
         return gated_branch_mix(rhat, self.gates(rhat, site))
 
-    def read(self, R: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
-        return self._read(R, i, trace)
+    def _read(self, R: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
+        return self._gated_read(R, i, trace)
 
-    def write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+    def _write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
         flat = self._normalized(R, i).flatten(-2) / self.streams
         s = 2 * torch.sigmoid(flat @ self.inject[i].T)  # [..., n_r]
         return R + s.unsqueeze(-1) * v.unsqueeze(-2)
 
-    def output(self, R: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
-        return self._read(R, self.num_sublayers, trace)
+    def _output(self, R: torch.Tensor, trace: Trace | None) -> torch.Tensor:
+        return self._gated_read(R, self.num_sublayers, trace)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}"

@@ -59,10 +59,10 @@ class HyperConnectionStream(MultiStream):
         a_m = self.read_scale[i] * torch.tanh(self._hbar(H) @ self.read_proj[i]) + self.read_static[i]
         return (a_m.unsqueeze(-1).to(H.dtype) * H).sum(-2)  # [..., D]
 
-    def read(self, H: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _read(self, H: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(i, self._mix_read(H, i), trace)
 
-    def write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+    def _write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # Hbar is recomputed rather than carried from read: it costs O(n D) per token and keeps
         # the state a plain tensor.
         hbar = self._hbar(H)
@@ -71,6 +71,6 @@ class HyperConnectionStream(MultiStream):
         mixed = torch.einsum("...kj,...kd->...jd", a_r.to(H.dtype), H)
         return mixed + b.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
 
-    def output(self, H: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, H: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, H.sum(-2), trace)
 

@@ -76,11 +76,11 @@ class ManifoldHyperConnectionStream(MultiStream):
         """``Hres`` ``[..., n, n]`` of site ``i``: doubly stochastic."""
         return sinkhorn(self._logits(H, i)[2], self.sinkhorn_iterations)
 
-    def read(self, H: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _read(self, H: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
         h_pre = torch.sigmoid(self._logits(H, i)[0])  # [..., n]
         return self._finish_read(i, (h_pre.unsqueeze(-1).to(H.dtype) * H).sum(-2), trace)
 
-    def write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+    def _write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # The logits are recomputed rather than carried from read (one small matmul per token)
         # so that the state stays a plain tensor.
         _, post, res = self._logits(H, i)
@@ -88,6 +88,6 @@ class ManifoldHyperConnectionStream(MultiStream):
         h_res = sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
         return h_res.to(H.dtype) @ H + h_post.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
 
-    def output(self, H: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, H: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, H.mean(-2), trace)
 

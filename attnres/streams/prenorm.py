@@ -17,14 +17,17 @@ class PreNormStream(Stream):
         super().__init__(dim, num_sublayers, eps)
         self._make_norms()
 
-    def init(self, e: torch.Tensor) -> torch.Tensor:
+    def _init(self, e: torch.Tensor) -> torch.Tensor:
         return e
 
-    def read(self, h: torch.Tensor, i: int, trace: Trace | None = None) -> torch.Tensor:
+    def _hidden(self, h: torch.Tensor) -> tuple[torch.Size, torch.device]:
+        return h.shape, h.device
+
+    def _read(self, h: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(i, h, trace)
 
-    def write(self, h: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
+    def _write(self, h: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         return h + v
 
-    def output(self, h: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+    def _output(self, h: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, h, trace)
