@@ -38,7 +38,8 @@ def cmd_compare(args) -> int:
 
     shared, overrides = split_residual_overrides(args.set or [])  # residual options go to the designs
     cfg = _config_from_args(args, shared)
-    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out, overrides=overrides)
+    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out, overrides=overrides,
+                   baseline=args.baseline, command=["attnres", *args.argv])
     print(path)
     return 0
 
@@ -96,6 +97,8 @@ def load_run(run_dir: Path):
 def cmd_generate(args) -> int:
     import torch
 
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character to continue")
     model, cfg = load_run(Path(args.run_dir))
     if cfg.data.tokenizer != "byte":
         raise ValueError("generate reads byte-level runs; this run used a BPE tokenizer")
@@ -109,7 +112,7 @@ def cmd_generate(args) -> int:
 def cmd_report(args) -> int:
     from .analysis.report import write_report
 
-    print(write_report(Path(args.run_dir)))
+    print(write_report(Path(args.run_dir), baseline=args.baseline))
     return 0
 
 
@@ -143,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, "demo")
     p.add_argument("--designs", nargs="+", default=list(DEFAULT_DESIGNS), choices=sorted(DESIGNS),
                    metavar="DESIGN", help=f"from {sorted(DESIGNS)} (default: {' '.join(DEFAULT_DESIGNS)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="one run per design per seed; several give paired intervals (default: 0)")
+    p.add_argument("--baseline", metavar="DESIGN",
+                   help="the design the others are compared with (default: prenorm when chosen, else the first)")
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
     p.set_defaults(fn=cmd_compare)
 
@@ -166,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="rebuild a comparison report from its saved artifacts")
     p.add_argument("run_dir")
+    p.add_argument("--baseline", metavar="DESIGN", help="compare with this design (default: the comparison's)")
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("convert", help="convert a local Llama/Mistral/Qwen2/Qwen3 model to Delta AttnRes")
@@ -190,22 +197,33 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
     try:
         return args.fn(args)
     except ValueError as exc:  # bad input: a clear message, not a traceback
-        print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
+        # every torchrun rank checks the same input and fails alike: rank 0 speaks for them
+        if _rank() == 0:
+            print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
+    except (OSError, RuntimeError) as exc:
         from .train.checkpoint import CheckpointError
         from .train.trainer import TrainingDiverged
 
-        if isinstance(exc, (CheckpointError, TrainingDiverged)):
-            print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+        if isinstance(exc, RuntimeError) and not isinstance(exc, (CheckpointError, TrainingDiverged)):
+            raise  # a defect, not the user's input or the machine: keep its traceback
+        where = f" (rank {_rank()})" if _rank() else ""  # a fault may hit one rank only
+        print(f"attnres {args.command}: error{where}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
 
 
 if __name__ == "__main__":

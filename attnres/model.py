@@ -290,14 +290,16 @@ class Transformer(nn.Module):
         ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``, or as many as the context has room for.
         A prompt and request longer than ``max_seq_len`` are refused (no sliding window)."""
         T = prompt.shape[-1]
+        if prompt.ndim != 2 or T == 0:
+            raise ValueError(f"prompt must be token ids [batch, length] with length >= 1, given shape {tuple(prompt.shape)}")
         if max_new_tokens is None:
             if T >= self.config.max_seq_len:
                 raise ValueError(f"prompt length {T} leaves no room in the context: max_seq_len={self.config.max_seq_len}")
             max_new_tokens = min(DEFAULT_NEW_TOKENS, self.config.max_seq_len - T)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0")
+        if not temperature >= 0 or temperature == float("inf"):  # NaN fails both comparisons
+            raise ValueError(f"temperature={temperature} must be a finite number >= 0")
         if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
             raise ValueError(f"top_k={top_k} must be in [1, {self.config.vocab_size}]")
         B, T = prompt.shape

@@ -23,11 +23,11 @@ def comparison(tmp_path_factory):
     return report
 
 
-def table_rows(text):
+def table_rows(text, columns=6):
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 8 and cells[0] not in ("design", "---"):
+        if line.startswith("| ") and len(cells) == columns and cells[0] not in ("design", "---"):
             rows[cells[0]] = cells
     return rows
 
@@ -44,8 +44,15 @@ def test_report_table_matches_saved_metrics(comparison):
         assert summary["final_val_loss"] == last_val
         assert float(cells[1]) == pytest.approx(last_val, abs=5e-5)
         assert float(cells[2]) == pytest.approx(last_val / 0.6931471805599453, abs=5e-5)
-        assert float(cells[3]) == pytest.approx(last_val - base, abs=1e-4)
+        assert cells[3] == "baseline" if design == "prenorm" else float(cells[3]) == pytest.approx(last_val - base, abs=1e-4)
         assert int(cells[4].replace(",", "")) == summary["parameters"]
+    results = json.loads((comparison.parent / "results.json").read_text())
+    assert results["baseline"] == "prenorm" and list(results["designs"]) == ["prenorm", "block", "mhar", "hc"]
+    for design, entry in results["designs"].items():
+        loss = json.loads((comparison.parent / design / "summary.json").read_text())["final_val_loss"]
+        assert entry["val_loss"] == {"0": loss}
+        if design != "prenorm":  # one seed: a difference, no interval
+            assert (entry["diff_mean"], entry["ci95"], entry["verdict"]) == (loss - base, None, "unresolved")
 
 
 def test_report_figures_exist_and_are_pngs(comparison):
@@ -56,7 +63,10 @@ def test_report_figures_exist_and_are_pngs(comparison):
     for name in figures:
         assert (comparison.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "same 768 training tokens" in text  # 6 steps of 4 x 32
-    assert "seed-to-seed noise" in text
+    assert "One seed: this comparison cannot tell a difference between designs from seed noise" in text
+    command = re.search(r"^    (attnres compare .*)$", text, flags=re.M).group(1)
+    assert command.endswith("--designs prenorm block mhar hc --set run.steps=6 --set run.progress=false --seeds 0 1 2")
+    assert "Step times are not reported" in text
 
 
 def test_analysis_has_depth_weights_per_site_and_head(comparison):
@@ -129,8 +139,111 @@ def test_residual_options_given_to_compare_apply_to_the_designs_that_take_them(t
     (["--designs", "block", "--set", "model.block_size=99"], r"block_size=99 must be an integer in \[1, 4\]"),
     (["--designs", "block", "--set", "model.block_size=2", "--set", "model.num_blocks=2"],
      r"give block_size=2 or num_blocks=2, not both"),
+    (["--designs", "prenorm", "block", "--baseline", "gr"], r"baseline 'gr' is not among the designs \['prenorm', 'block'\]"),
+    (["--designs", "block", "--seeds", "0", "0"], r"seeds \[0, 0\] must be given, each once"),
+    (["--designs", "block", "--seeds", "-1"], r"seeds \[-1\] must be integers >= 0"),
 ])
 def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message):
     proc = run_compare(tmp_path, *args)
     assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []  # refused before any work
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "nan"], r"temperature=nan must be a finite number >= 0"),
+    (["--temperature", "-1"], r"temperature=-1.0 must be a finite number >= 0"),
+    (["--prompt="], r"--prompt is empty: give at least one character to continue"),
+    (["--top-k", "0"], r"top_k=0 must be in \[1, 256\]"),
+    (["--max-new-tokens", "-1"], r"max_new_tokens=-1 must be >= 0"),
+])
+def test_generate_refuses_bad_arguments_in_one_line(comparison, capsys, args, message):
+    from attnres.cli import main
+
+    assert main(["generate", str(comparison.parent / "block"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"attnres generate: error: {message}", err), err
+
+
+def test_a_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    from attnres.cli import main
+
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "file" / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"attnres train: error: \[Errno 20\] Not a directory: .*", err), err
+
+
+# known final losses for seeds 0-2, and the 95% intervals of their paired differences to prenorm,
+# written out: mean(d) -+ t * sd(d) / sqrt(3), t = 4.302652729911275 (Student's t, 0.975, 2 dof)
+KNOWN = {
+    "prenorm": [3.00, 3.10, 2.90],
+    "block": [2.95, 3.04, 2.87],  # d = -0.05, -0.06, -0.03
+    "mhar": [3.02, 3.125, 2.93],  # d = +0.02, +0.025, +0.03
+    "hc": [3.02, 3.07, 2.91],     # d = +0.02, -0.03, +0.01
+}
+
+
+def written_out_interval(design):
+    import statistics
+
+    d = [a - b for a, b in zip(KNOWN[design], KNOWN["prenorm"])]
+    half = 4.302652729911275 * statistics.stdev(d) / 3 ** 0.5
+    return statistics.fmean(d), [statistics.fmean(d) - half, statistics.fmean(d) + half]
+
+
+def test_paired_intervals_and_verdicts_match_a_written_out_computation(comparison, tmp_path):
+    """A three-seed comparison folder made from the saved runs with known final losses."""
+    import shutil
+
+    runs = []
+    for design, losses in KNOWN.items():
+        for seed, loss in enumerate(losses):
+            name = f"{design}-seed{seed}"
+            shutil.copytree(comparison.parent / design, tmp_path / name)
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "final_val_loss": loss}))
+            runs.append({"design": design, "seed": seed, "dir": name})
+    (tmp_path / "compare.json").write_text(json.dumps({"designs": list(KNOWN), "seeds": [0, 1, 2], "runs": runs}))
+    from attnres.analysis.report import write_report
+
+    text = write_report(tmp_path).read_text()
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["baseline"] == "prenorm" and results["designs"]["prenorm"] == {
+        "val_loss": {"0": 3.0, "1": 3.1, "2": 2.9}, "val_loss_mean": pytest.approx(3.0), "val_loss_sd": pytest.approx(0.1)}
+    rows = table_rows(text, columns=8)
+    for design, verdict, words in [("block", "better", "better"), ("mhar", "worse", "worse"),
+                                   ("hc", "unresolved", "not resolved")]:
+        entry = results["designs"][design]
+        mean, interval = written_out_interval(design)
+        assert entry["val_loss"] == {str(s): v for s, v in enumerate(KNOWN[design])}
+        assert entry["diff_mean"] == pytest.approx(mean, abs=1e-12)
+        assert entry["ci95"] == pytest.approx(interval, abs=1e-9)
+        assert entry["verdict"] == verdict
+        assert rows[design][3] == f"{mean:+.4f}" and rows[design][5] == words
+        assert rows[design][4] == f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+    per_seed = table_rows(text, columns=4)
+    assert per_seed["block"] == ["block", "2.9500", "3.0400", "2.8700"]
+    # another baseline, chosen when the report is rebuilt
+    write_report(tmp_path, baseline="block")
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["baseline"] == "block" and again["designs"]["prenorm"]["verdict"] == "worse"
+    with pytest.raises(ValueError, match=r"baseline 'gr' is not among the designs \['prenorm', 'block', 'mhar', 'hc'\]"):
+        write_report(tmp_path, baseline="gr")
+
+
+def test_two_identical_comparisons_log_identical_losses(tmp_path):
+    """The same command twice on one machine: the same losses, bit for bit, in every run's log and
+    in results.json."""
+    reports = []
+    for name in ("a", "b"):
+        proc = run_compare(tmp_path / name, "--designs", "prenorm", "block", "--set", "run.steps=4",
+                           "--set", "run.log_every=1")
+        assert proc.returncode == 0, proc.stderr
+        reports.append(Path(proc.stdout.strip().splitlines()[-1]).parent)
+    a, b = reports
+    for design in ("prenorm", "block"):
+        rows = [[{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+                 for line in (root / design / "metrics.jsonl").read_text().splitlines()] for root in (a, b)]
+        assert rows[0] == rows[1] and len(rows[0]) == 6
+    results = [json.loads((root / "results.json").read_text()) for root in (a, b)]
+    assert results[0] == results[1]

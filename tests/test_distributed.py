@@ -73,3 +73,15 @@ def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path
          "train", *COMMON, "--set", "run.steps=20", "--run-dir", str(tmp_path / "run"), "--resume"], tmp_path)
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"train"' in line]
     assert steps == list(range(1, 21))  # every step once, across the crash
+
+
+def test_bad_input_under_torchrun_is_reported_once(tmp_path):
+    """Every rank refuses the same input; rank 0 says so, once, and the others exit quietly."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
+           "train", *COMMON, "--set", "optim.grad_clip=-1", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("attnres train: error:")]
+    assert errors == ["attnres train: error: optim.grad_clip=-1.0 must be in (0, inf)"], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """Hugging Face integration: native models, exact conversion, training, lm-eval, refusals."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -160,7 +161,7 @@ def test_unsupported_models_are_refused():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="cannot convert model_type='gpt2'"):
         convert(gpt2)
-    with pytest.raises(ValueError, match=r"heads=5 must divide hidden_size=64"):
+    with pytest.raises(ValueError, match=r"heads=5 must be a positive integer dividing hidden_size=64"):
         convert(source_model("llama"), heads=5)
     with pytest.raises(ValueError, match=r"block_layers=9 must be in \[1, 4\]"):
         convert(source_model("llama"), heads=4, block_layers=9)
@@ -287,3 +288,39 @@ def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, mo
         convert_module.convert_checkpoint(src, dst, heads=4, block_layers=2, overwrite=True)
     assert [p.name for p in dst.iterdir()] == ["old.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no half-written folder beside it
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--heads", "0"], r"heads=0 must be a positive integer dividing hidden_size=64"),
+    (["--heads", "3"], r"heads=3 must be a positive integer dividing hidden_size=64"),
+    (["--block-layers", "0"], r"block_layers=0 must be an integer in \[1, 4\] \(the number of layers\)"),
+])
+def test_convert_refuses_bad_routing_options_before_loading_the_weights(tmp_path, capsys, monkeypatch, args, message):
+    from attnres.cli import main
+
+    src, _ = saved_source(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights were loaded before the options were checked"))
+    assert main(["convert", str(src), str(tmp_path / "dst"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"attnres convert: error: {message}", err), err
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tasks", "no_such_task"], r"unknown lm-eval task\(s\) \['no_such_task'\]"),
+    (["--tasks", "hellaswag", "--limit", "0"], r"limit=0 must be a positive number of examples"),
+    (["--tasks", "hellaswag", "--batch-size", "0"], r"batch_size=0 must be >= 1"),
+    (["--tasks", "hellaswag", "--device", "gpu"], r"device='gpu' is not a torch device"),
+])
+def test_eval_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch, args, message):
+    from attnres.cli import main
+    from attnres.hf import evaluate as evaluate_module
+
+    src, _ = saved_source(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(evaluate_module, "lm_eval_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["eval", str(src), *args]) == 2
+    err = capsys.readouterr().err
+    assert re.match(rf"attnres eval: error: {message}", err) and "Traceback" not in err, err

@@ -1,6 +1,7 @@
 """The trainer: learning, exact resume, crash-safe checkpoints, clear failures."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -250,6 +251,28 @@ def test_reliability_doc_lists_every_field_and_its_range():
     assert rows == {key: str(accepted) for key, accepted in FIELDS.items()}
 
 
+def case_count(test_id: str) -> int:
+    """How many cases pytest runs for ``file.py::test_name``: the product of its parametrizations."""
+    import importlib
+
+    file, name = test_id.split("::")
+    function = getattr(importlib.import_module(f"tests.{file.removesuffix('.py')}"), name)
+    count = 1
+    for mark in getattr(function, "pytestmark", []):
+        if mark.name == "parametrize":
+            count *= len(mark.args[1])
+    return count
+
+
+def test_reliability_doc_counts_the_cases():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
+    rows = re.findall(r"^\| .+ \| (`test_[^|]+) \| ([0-9 +]+) \|$", doc, flags=re.M)
+    assert len(rows) >= 20
+    for tests, count in rows:
+        ids = re.findall(r"`(test_\w+\.py::\w+)`", tests)
+        assert [int(n) for n in count.split(" + ")] == [case_count(i) for i in ids], tests
+
+
 def train_rows(path):
     if not path.exists():
         return 0
@@ -290,3 +313,23 @@ def test_a_corrupt_run_config_is_named(tmp_path):
     for args in (["train", "--resume", "--run-dir", str(tmp_path)], ["generate", str(tmp_path)]):
         proc = run_cli(*args)
         assert proc.returncode == 2 and f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("design", ["prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr"])
+def test_every_design_trains_bit_for_bit_the_same_twice_and_across_a_resume(tmp_path, corpus, design):
+    """The same config and seed on the same machine logs the same losses, bit for bit: twice
+    straight, and once more resumed from its checkpoint at step 2."""
+    from attnres.train.compare import design_config
+
+    base = quiet(tiny(), steps=4, log_every=1, eval_every=2, ckpt_every=2)
+    cfg = replace(base, model=design_config(base.model, design))
+    for name in ("first", "second"):
+        train(cfg, tmp_path / name, corpus=corpus)
+    train(cfg, tmp_path / "resumed", corpus=corpus)  # then back to its checkpoint at step 2, as after a crash
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-0000004")
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step-0000002")
+    train(cfg, tmp_path / "resumed", corpus=corpus, resume=True)
+    first = log_rows(tmp_path / "first")
+    assert len(first) == 6 and all(math.isfinite(r.get("loss", r.get("val_loss", math.nan))) for r in first)
+    assert log_rows(tmp_path / "second") == first
+    assert log_rows(tmp_path / "resumed") == first

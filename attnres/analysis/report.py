@@ -2,16 +2,20 @@
 
 A comparison folder holds one sub-folder per run (``<design>`` or ``<design>-seed<k>``) with
 ``config.json``, ``summary.json``, ``metrics.jsonl`` and ``analysis.json``; ``compare.json``
-lists them in order. Every number in the report is read from those files.
+lists them in order. Every number in the report is read from those files; the report's numbers
+also go to ``results.json`` (``comparison_results``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shlex
 import statistics
 from pathlib import Path
 
 from ..files import read_json, read_jsonl
+from .stats import mean_and_sd, paired_difference
 
 
 def _matplotlib():
@@ -59,18 +63,28 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _val_curve(run: dict) -> dict[int, float]:
+    """Validation loss by training tokens."""
+    return {m["tokens"]: m["val_loss"] for m in run["metrics"] if m["split"] == "val"}
+
+
 def _fig_loss_curves(plt, designs, path):
+    """Each design's validation loss: the mean over seeds, with a band from the lowest to the
+    highest seed where there are several."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, runs in designs.items():
-        for k, run in enumerate(runs):
-            pts = [(m["tokens"], m["val_loss"]) for m in run["metrics"] if m["split"] == "val"]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", ms=3, label=name if k == 0 else None,
-                        color=f"C{list(designs).index(name)}", alpha=1.0 if k == 0 else 0.5)
+    for k, (name, runs) in enumerate(designs.items()):
+        curves = [_val_curve(run) for run in runs]
+        tokens = sorted(set.intersection(*(set(c) for c in curves)))
+        if not tokens:
+            continue
+        values = [[c[t] for c in curves] for t in tokens]
+        ax.plot(tokens, [statistics.fmean(v) for v in values], marker="o", ms=3, label=name, color=f"C{k}")
+        if len(curves) > 1:
+            ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=f"C{k}", alpha=0.2)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Validation loss")
+    ax.set_title("Validation loss" + (" (mean over seeds; band: lowest to highest seed)"
+                                      if any(len(r) > 1 for r in designs.values()) else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -119,17 +133,118 @@ def _fig_per_depth(plt, designs, key, ylabel, title, path, logy=False):
     return fig, ax
 
 
-def write_report(compare_dir: Path) -> Path:
-    """(Re)build ``compare_dir/report.md`` and its figures from the saved artifacts."""
+def choose_baseline(designs, requested: str | None = None) -> str:
+    """``requested`` when given (it must be one of ``designs``), else ``prenorm`` when it is
+    among them, else the first design."""
+    designs = list(designs)
+    if requested is not None:
+        if requested not in designs:
+            raise ValueError(f"baseline {requested!r} is not among the designs {designs}")
+        return requested
+    return "prenorm" if "prenorm" in designs else designs[0]
+
+
+def final_losses(runs: list[dict]) -> dict[str, float]:
+    """Seed (a string, as in results.json) -> final validation loss."""
+    return {str(r["seed"]): r["summary"]["final_val_loss"] for r in runs}
+
+
+def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
+    """What ``results.json`` holds: every design's final validation loss per seed, and for each
+    design but the baseline its paired difference to the baseline (``analysis.stats``)."""
+    base = final_losses(designs[baseline])
+    out = {"baseline": baseline, "designs": {}}
+    for name, runs in designs.items():
+        losses = final_losses(runs)
+        mean, sd = mean_and_sd(list(losses.values()))
+        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": None if math.isnan(sd) else sd}
+        if name != baseline:
+            paired = paired_difference(base, losses)
+            entry.update(diff_mean=paired["diff_mean"], ci95=paired["ci95"], verdict=paired["verdict"])
+        out["designs"][name] = entry
+    return out
+
+
+def rerun_command(index: dict, seeds=(0, 1, 2)) -> str:
+    """The comparison's own command (when it was recorded) with ``--seeds`` replaced."""
+    words, skipping = [], False
+    for word in index.get("command") or ["attnres", "compare"]:
+        if word == "--seeds" or word.startswith("--seeds="):
+            skipping = word == "--seeds"
+            continue
+        if skipping and not word.startswith("-"):
+            continue
+        skipping = False
+        words.append(word)
+    return shlex.join([*words, "--seeds", *map(str, seeds)])
+
+
+def _summary_lines(index, designs, results, unit) -> list[str]:
+    baseline = results["baseline"]
+    entries = results["designs"]
+    seeds = sorted({s for e in entries.values() for s in e["val_loss"]}, key=int)
+    lines = []
+    if len(seeds) < 2:
+        lines += [
+            "**One seed: this comparison cannot tell a difference between designs from seed noise.** "
+            "A different initialization and batch order moves every design's loss; only several seeds, "
+            "paired, measure by how much. To resolve the differences, run:",
+            "", f"    {rerun_command(index)}", "",
+            f"| design | val loss (nats) | {unit} | vs {baseline} | parameters | peak memory (MiB) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, rs in designs.items():
+            e = entries[name]
+            diff = "baseline" if name == baseline else f"{e['diff_mean']:+.4f}"
+            lines.append(f"| {name} | {e['val_loss_mean']:.4f} | {e['val_loss_mean'] / math.log(2):.4f} | {diff} | "
+                         f"{rs[0]['summary']['parameters']:,} | "
+                         f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |")
+        return lines
+    lines += [
+        f"Final validation loss over {len(seeds)} seeds. For each seed every design starts from the same "
+        "initialization seed and sees the same batches, so the difference to the baseline is taken per "
+        f"seed and averaged; the 95% interval of that mean difference is Student's t with n-1 degrees of "
+        f"freedom (`scipy.stats.ttest_rel`). Verdict: better (interval below 0), worse (above 0), or not "
+        "resolved at this budget (the interval holds 0).",
+        "",
+        f"| design | val loss (nats), mean ± sd | {unit} | vs {baseline}, paired | 95% interval | verdict | "
+        "parameters | peak memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    words = {"better": "better", "worse": "worse", "unresolved": "not resolved"}
+    for name, rs in designs.items():
+        e = entries[name]
+        sd = "" if e["val_loss_sd"] is None else f" ± {e['val_loss_sd']:.4f}"
+        if name == baseline:
+            diff, interval, verdict = "baseline", "", ""
+        else:
+            diff = f"{e['diff_mean']:+.4f}"
+            interval = "" if e["ci95"] is None else f"[{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]"
+            verdict = words[e["verdict"]]
+        lines.append(f"| {name} | {e['val_loss_mean']:.4f}{sd} | {e['val_loss_mean'] / math.log(2):.4f} | {diff} | "
+                     f"{interval} | {verdict} | {rs[0]['summary']['parameters']:,} | "
+                     f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |")
+    lines += ["", "Per seed (final validation loss, nats):", "",
+              "| design | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "|---|" + "---|" * len(seeds)]
+    for name in designs:
+        losses = entries[name]["val_loss"]
+        lines.append(f"| {name} | " + " | ".join(f"{losses[s]:.4f}" if s in losses else "" for s in seeds) + " |")
+    return lines
+
+
+def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
+    """(Re)build ``compare_dir/report.md``, its figures and ``results.json`` from the saved
+    artifacts. ``baseline``: the design the others are compared with (default: the one the
+    comparison chose, see ``choose_baseline``)."""
     compare_dir = Path(compare_dir)
     plt = _matplotlib()
     index, runs = load_runs(compare_dir)
     designs = _by_design(runs)
-    baseline = "prenorm" if "prenorm" in designs else next(iter(designs))
+    baseline = choose_baseline(designs, baseline or index.get("baseline"))
+    results = comparison_results(designs, baseline)
     byte_tokens = runs[0]["config"]["data"]["tokenizer"] == "byte"
     unit = "bits/byte" if byte_tokens else "bits/token"
-    base_loss = _mean(r["summary"]["final_val_loss"] for r in designs[baseline])
-    base_step = _mean(r["summary"]["step_time_s"] for r in designs[baseline])
     first = runs[0]
     tokens = first["summary"]["tokens"]
     m = first["config"]["model"]
@@ -143,31 +258,11 @@ def write_report(compare_dir: Path) -> Path:
         f"{first['config']['run']['seq_len']}) in the same order, from the same initial seed, and was "
         f"evaluated on the same {first['config']['run']['eval_batches']} validation batches.",
         f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
-        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}. Seeds: {', '.join(map(str, seeds))}.",
+        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}. Seeds: {', '.join(map(str, seeds))}. "
+        f"Baseline: {baseline}. The numbers are also in `results.json`.",
         "",
+        *_summary_lines(index, designs, results, unit),
     ]
-    if len(seeds) > 1:
-        spread = [statistics.pstdev([r["summary"]["final_val_loss"] for r in rs]) for rs in designs.values() if len(rs) > 1]
-        noise = max(spread) if spread else float("nan")
-        lines.append(f"Seed noise (largest standard deviation of validation loss across seeds): {noise:.4f} nats. "
-                     "Differences smaller than that mean nothing.")
-    else:
-        lines.append("One seed per design: differences smaller than the seed-to-seed noise mean nothing, and "
-                     "this run cannot measure that noise (rerun with `--seeds 0 1` to see it).")
-    lines += [
-        "",
-        f"| design | val loss (nats) | {unit} | vs {baseline} | parameters | tokens/s | step time vs {baseline} | peak memory (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, rs in designs.items():
-        loss = _mean(r["summary"]["final_val_loss"] for r in rs)
-        s0 = rs[0]["summary"]
-        lines.append(
-            f"| {name} | {loss:.4f} | {loss / math.log(2):.4f} | {loss - base_loss:+.4f} | {s0['parameters']:,} | "
-            f"{_mean(r['summary']['tokens_per_s'] for r in rs):,.0f} | "
-            f"{_mean(r['summary']['step_time_s'] for r in rs) / base_step:.2f}x | "
-            f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |"
-        )
     options = {r["design"]: r.get("options") for r in runs if r.get("options")}
     if options:
         lines += ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
@@ -177,8 +272,9 @@ def write_report(compare_dir: Path) -> Path:
             lines.append(f"| {name} | {opts['residual']} | {rest} |")
     lines += [
         "",
-        "Step times were measured one design after another on a shared machine; the benchmarks "
-        "(`benchmarks/`) measure overheads properly, interleaved.",
+        "Step times are not reported: the designs train one after another on a shared machine, so "
+        "their times move with the machine's load (0.4x to 1.25x between two identical runs). "
+        "`benchmarks/train_step.py` times them interleaved, several rounds (`docs/BENCHMARKS.md`).",
         "",
         "## Validation loss",
         "",
@@ -233,6 +329,7 @@ def write_report(compare_dir: Path) -> Path:
         for name, p in probes:
             lines.append(f"| {name} | {p['slices']} | {p['trained']:.4f} | {p['random']:.4f} | {p['probe']:+.4f} |")
         lines.append("")
+    (compare_dir / "results.json").write_text(json.dumps(results, indent=2))
     path = compare_dir / "report.md"
     path.write_text("\n".join(lines))
     return path

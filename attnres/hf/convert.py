@@ -43,16 +43,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
+def check_routing_options(config, heads, block_layers) -> None:
+    """Raise ``ValueError`` unless ``heads`` divides the model's width and ``block_layers`` is a
+    number of its layers."""
+    width, layers = config.hidden_size, config.num_hidden_layers
+    if type(heads) is not int or heads < 1 or width % heads:
+        raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}")
+    if type(block_layers) is not int or not 1 <= block_layers <= layers:
+        raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers)")
+
+
 class DeltaRoutingForCausalLM:
     """The forward pass shared by every converted architecture (mixed into its causal LM)."""
 
     def _init_routing(self, config) -> None:
         layers = config.num_hidden_layers
         heads, block_layers = config.delta_heads, config.delta_block_layers
-        if config.hidden_size % heads:
-            raise ValueError(f"heads={heads} must divide hidden_size={config.hidden_size}")
-        if not 1 <= block_layers <= layers:
-            raise ValueError(f"block_layers={block_layers} must be in [1, {layers}] (the number of layers)")
+        check_routing_options(config, heads, block_layers)
         self.routing = DeltaAttnResStream(
             config.hidden_size, 2 * layers, config.rms_norm_eps, heads=heads,
             block_size=2 * block_layers, own_norms=False,
@@ -165,6 +172,9 @@ def convert(source, *, heads: int = 8, block_layers: int = 4):
         path = Path(source)
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a local Hugging Face model folder (config.json missing)")
+        config = AutoConfig.from_pretrained(str(path))
+        if config.model_type in SOURCES:  # the options are checked before the weights load
+            check_routing_options(config, heads, block_layers)
         source = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
     model_type = getattr(source.config, "model_type", None)
     if model_type not in SOURCES or not hasattr(source, "lm_head"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 
 def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 1):
     """lm-eval's ``HFLM`` around the model and tokenizer saved in ``model_dir``."""
@@ -33,9 +35,21 @@ def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | Non
              limit: int | None = None, device: str = "cpu", batch_size: int = 1,
              log_samples: bool = False) -> dict:
     """Run ``lm_eval.simple_evaluate`` on ``tasks``; ``include_path`` adds a folder of task YAMLs."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit} must be a positive number of examples per task (or None for all)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    lm = lm_eval_model(model_dir, device=device, batch_size=batch_size)
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them "
+                         f"(and --include-path adds a folder of task YAML files)")
+    lm = lm_eval_model(model_dir, device=device, batch_size=batch_size)
     return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from ..analysis.capture import capture_analysis
-from ..analysis.report import write_report
+from ..analysis.report import choose_baseline, write_report
 from ..model import ModelConfig
 from ..streams import MODEL_OPTIONS, STREAMS
 from .config import TrainConfig, parse_value
@@ -92,11 +92,21 @@ def split_residual_overrides(assignments) -> tuple[list[str], dict]:
 
 
 def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str | Path = "runs",
-            log=print, overrides: dict | None = None) -> Path:
+            log=print, overrides: dict | None = None, baseline: str | None = None,
+            command: list[str] | None = None) -> Path:
     """Train every design for every seed into ``out_dir/compare-<timestamp>/``; returns the
     path of the report. ``overrides``: residual options (``model.<option>`` fields) that apply
-    to every chosen design that takes them, replacing the design's own value."""
+    to every chosen design that takes them, replacing the design's own value. ``baseline``: the
+    design the others are compared with (default ``prenorm`` when chosen, else the first).
+    ``command``: the command line that asked for the comparison, for the report to quote."""
     base.validate()
+    designs, seeds = list(designs), list(seeds)
+    for name, values in (("designs", designs), ("seeds", seeds)):
+        if not values or len(set(values)) != len(values):
+            raise ValueError(f"{name} {values} must be given, each once")
+    if any(type(s) is not int or s < 0 for s in seeds):
+        raise ValueError(f"seeds {seeds} must be integers >= 0")
+    baseline = choose_baseline(designs, baseline)
     overrides = overrides or {}
     check_overrides(designs, overrides)
     configs = {label: design_config(base.model, label, overrides) for label in designs}  # fail fast on bad labels
@@ -105,7 +115,7 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
     root = Path(out_dir) / time.strftime("compare-%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=False)
     corpus = load_corpus(base.data, base.model.vocab_size, bpe_dir=root)
-    index = {"designs": list(designs), "seeds": list(seeds), "runs": []}
+    index = {"designs": designs, "seeds": seeds, "baseline": baseline, "command": command, "runs": []}
     start = time.time()
     for seed in seeds:
         for label in designs:
