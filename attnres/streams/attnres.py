@@ -129,6 +129,7 @@ class FullAttnResStream(DepthRoutingStream):
     """Full AttnRes: the state holds every source ``(e, v_0, ..., v_{i-1})``."""
 
     kind = "full"
+    counts_writes = True
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
         super().__init__(dim, num_sublayers, eps, **options)
@@ -182,6 +183,7 @@ class BlockRoutingStream(DepthRoutingStream):
     read, every read routes on its own (the path the two-phase one is tested against).
     """
 
+    counts_writes = True
     #: whether a read is the routed mix through the site's norm (Block), so that phase 1 can
     #: return a block's first read already normalized; Delta adds its own stream first
     reads_are_normed_mixes = False
@@ -220,7 +222,7 @@ class BlockRoutingStream(DepthRoutingStream):
         sublayer ``first_site``. ``tokens``: for a source ``[D]`` shared by every token (Delta's
         null), the token shape it stands for."""
         source, memo = self._add_source(state.memo, source, first_site, tokens)
-        return state._replace(blocks=state.blocks + (source,), partial=None, memo=memo)
+        return BlockState(state.blocks + (source,), None, memo, state.written)
 
     def _open_block(self, state: BlockState, first_site: int) -> BlockState:
         """Phase 1 of the block whose first sublayer is ``first_site`` (two-phase path)."""
@@ -249,10 +251,10 @@ class BlockRoutingStream(DepthRoutingStream):
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
-        state = state._replace(written=i + 1)
         if (i + 1) % self.block_size == 0:
-            return self._open_block(self._complete(state, partial, i + 1), i + 1)
-        return state._replace(partial=partial)
+            closed = BlockState(state.blocks, None, state.memo, i + 1)
+            return self._open_block(self._complete(closed, partial, i + 1), i + 1)
+        return BlockState(state.blocks, partial, state.memo, i + 1)
 
     def extra_repr(self) -> str:
         return (

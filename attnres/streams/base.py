@@ -113,12 +113,15 @@ class Stream(nn.Module):
 
     def read(self, state: Any, i: int, trace: Trace | None = None) -> torch.Tensor:
         """What sublayer ``i`` consumes, ``[..., D]``, its pre-norm included."""
-        self._check_site(state, i, "read")
+        # inline and in one condition: the checks run at every routing point of every decoded token
+        if type(i) is not int or not 0 <= i < self.num_sublayers or (self.counts_writes and self._written(state) != i):
+            self._refuse(state, i, "read")
         return self._read(state, i, trace)
 
     def write(self, state: Any, i: int, v: torch.Tensor) -> Any:
         """The state after sublayer ``i`` produced ``v`` ``[..., D]``."""
-        self._check_site(state, i, "write")
+        if type(i) is not int or not 0 <= i < self.num_sublayers or (self.counts_writes and self._written(state) != i):
+            self._refuse(state, i, "write")
         shape, device = self._hidden(state)
         if not isinstance(v, torch.Tensor) or v.shape != shape or v.device != device:
             given = f"{tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
@@ -128,23 +131,21 @@ class Stream(nn.Module):
 
     def output(self, state: Any, trace: Trace | None = None) -> torch.Tensor:
         """The final normalized hidden state ``[..., D]`` for the LM head."""
-        written = self._written(state)
-        if written is not None and written != self.num_sublayers:
+        if self.counts_writes and self._written(state) != self.num_sublayers:
             raise RuntimeError(f"{self.kind} stream: output needs all {self.num_sublayers} sublayers written, "
-                               f"the state holds {written}")
+                               f"the state holds {self._written(state)}")
         return self._output(state, trace)
 
-    def _check_site(self, state: Any, i: int, operation: str) -> None:
-        """``i`` is a sublayer index, and for a design that reads its sources in order, the next
-        one: sublayer ``i`` is read and written after the writes of ``0..i-1``. Python integer
-        comparisons only, so they cost nothing measurable and compile away under torch.compile."""
+    def _refuse(self, state: Any, i: Any, operation: str) -> None:
+        """Raise for ``i``, which is not a sublayer index, or (for a design that reads its sources
+        in order) not the next one: sublayer ``i`` is read and written after the writes of
+        ``0..i-1``."""
         if type(i) is not int or not 0 <= i < self.num_sublayers:
             raise ValueError(f"{self.kind} stream: {operation}({i!r}) needs a sublayer index, an integer in "
                              f"[0, {self.num_sublayers - 1}]")
         written = self._written(state)
-        if written is not None and written != i:
-            raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds the writes "
-                               f"of sublayers 0..{written - 1}, so the next sublayer is {written}")
+        raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds the writes "
+                           f"of sublayers 0..{written - 1}, so the next sublayer is {written}")
 
     # -- what each design implements ----------------------------------------------------------
     def _init(self, e: torch.Tensor) -> Any:
@@ -164,10 +165,13 @@ class Stream(nn.Module):
         write must match."""
         raise NotImplementedError
 
-    def _written(self, state: Any) -> int | None:
-        """How many sublayers the state holds, for a design whose state can tell (the AttnRes
-        family); ``None`` for the designs that keep running sums, which cannot."""
-        return None
+    #: whether the state counts the sublayers written into it (``_written``): the AttnRes
+    #: family's does; the running sums of the others cannot
+    counts_writes = False
+
+    def _written(self, state: Any) -> int:
+        """How many sublayers ``state`` holds (for a design that ``counts_writes``)."""
+        raise NotImplementedError
 
     # -- shared helpers -----------------------------------------------------------------------
     def _make_norms(self) -> None:
