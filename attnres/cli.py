@@ -25,8 +25,9 @@ def _config_from_args(args, assignments=None):
     return cfg
 
 
-def _add_config_args(p, default_preset):
-    p.add_argument("--preset", default=default_preset, help="tiny, demo or small (default: %(default)s)")
+def _add_config_args(p, default_preset, note=""):
+    p.add_argument("--preset", default=default_preset,
+                   help=f"tiny, demo, small or study (default: %(default)s{note})")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set model.residual=block --set optim.lr=3e-4")
     p.add_argument("--data", help="text file or folder, folder with train.bin/val.bin, or hf:NAME[:CONFIG] "
@@ -34,11 +35,12 @@ def _add_config_args(p, default_preset):
 
 
 def cmd_compare(args) -> int:
-    from .train.compare import compare, split_residual_overrides
+    from .train.compare import comparison_choice, compare, split_residual_overrides
 
     shared, overrides = split_residual_overrides(args.set or [])  # residual options go to the designs
     cfg = _config_from_args(args, shared)
-    path = compare(cfg, designs=args.designs, seeds=args.seeds, out_dir=args.out, overrides=overrides,
+    designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
+    path = compare(cfg, designs=designs, seeds=seeds, out_dir=args.out, overrides=overrides,
                    baseline=args.baseline, command=["attnres", *args.argv])
     print(path)
     return 0
@@ -143,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
-    _add_config_args(p, "demo")
-    p.add_argument("--designs", nargs="+", default=list(DEFAULT_DESIGNS), choices=sorted(DESIGNS),
-                   metavar="DESIGN", help=f"from {sorted(DESIGNS)} (default: {' '.join(DEFAULT_DESIGNS)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0],
-                   help="one run per design per seed; several give paired intervals (default: 0)")
+    _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5")
+    p.add_argument("--designs", nargs="+", choices=sorted(DESIGNS), metavar="DESIGN",
+                   help=f"from {sorted(DESIGNS)} (default: the preset's, else {' '.join(DEFAULT_DESIGNS)})")
+    p.add_argument("--seeds", nargs="+", type=int,
+                   help="one run per design per seed; several give paired intervals (default: the preset's, else 0)")
     p.add_argument("--baseline", metavar="DESIGN",
                    help="the design the others are compared with (default: prenorm when chosen, else the first)")
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")

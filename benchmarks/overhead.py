@@ -8,8 +8,12 @@ Two measurements of the current package against ``--revision`` (imported beside 
   tiny      seconds per forward + backward of 32 routing points on tiny tensors (8 tokens,
             D = 64: the per-call cost is all there is), current and revision paired in each
             round, in alternating order so that neither always runs first
+  decode    seconds per one-token decode step of the same small LM, paired the same way: where
+            Python per call weighs most against arithmetic
 
     python benchmarks/overhead.py --revision 7483a66
+
+Results go to ``results/overhead_{calls,tiny,decode}@REV.csv``.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ def main():
             row[f"{name}_calls_rev"] = calls_per_pass(before[name])
         rows.append(row)
     print_table(rows, list(rows[0]))
-    write_csv("overhead_calls", rows)
+    write_csv(f"overhead_calls@{args.revision}", rows)
     print()
     tiny = []
     for kind in ("block", "full"):
@@ -127,7 +131,15 @@ def main():
             tiny.append(dict(design=kind, backend=backend, ms=1000 * now, ms_rev=1000 * then, ratio=ratio,
                              spread=f"{lo:.2f}..{hi:.2f}"))
     print_table(tiny, list(tiny[0]))
-    write_csv("overhead_tiny", tiny)
+    write_csv(f"overhead_tiny@{args.revision}", tiny)
+    print()
+    decode = []
+    for design, options in DESIGNS.items():
+        now, then, ratio, lo, hi = paired(model_passes(attnres, options)["decode"],
+                                          model_passes(old, options)["decode"], args.rounds)
+        decode.append(dict(design=design, ms=1000 * now, ms_rev=1000 * then, ratio=ratio, spread=f"{lo:.2f}..{hi:.2f}"))
+    print_table(decode, list(decode[0]))
+    write_csv(f"overhead_decode@{args.revision}", decode)
 
 
 if __name__ == "__main__":

@@ -247,3 +247,13 @@ def test_two_identical_comparisons_log_identical_losses(tmp_path):
         assert rows[0] == rows[1] and len(rows[0]) == 6
     results = [json.loads((root / "results.json").read_text()) for root in (a, b)]
     assert results[0] == results[1]
+
+
+def test_the_study_preset_names_its_designs_and_seeds():
+    from attnres.train.compare import DEFAULT_DESIGNS, comparison_choice
+    from attnres.train.config import preset
+
+    assert comparison_choice("study") == (["prenorm", "block", "mhar", "full"], [0, 1, 2, 3, 4, 5])
+    assert comparison_choice("study", ["block", "full"], [4]) == (["block", "full"], [4])  # given ones win
+    assert comparison_choice("demo") == (list(DEFAULT_DESIGNS), [0])
+    preset("study").validate()  # `attnres train --preset study` trains one run of that size

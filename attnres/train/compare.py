@@ -12,7 +12,7 @@ from ..analysis.capture import capture_analysis
 from ..analysis.report import choose_baseline, write_report
 from ..model import ModelConfig
 from ..streams import MODEL_OPTIONS, STREAMS
-from .config import TrainConfig, parse_value
+from .config import COMPARISON_PRESETS, TrainConfig, parse_value
 from .data import batch_at, load_corpus
 from .trainer import EVAL_SEED, train
 
@@ -30,6 +30,13 @@ DESIGNS: dict[str, dict] = {
 DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 #: what every design of a comparison shares: the model's fields but the residual kind and options
 SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
+
+
+def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str], list[int]]:
+    """The designs and seeds of a comparison: those given, else the preset's
+    (``COMPARISON_PRESETS``), else ``DEFAULT_DESIGNS`` and seed 0."""
+    chosen = COMPARISON_PRESETS.get(preset, {})
+    return list(designs or chosen.get("designs", DEFAULT_DESIGNS)), list(seeds or chosen.get("seeds", (0,)))
 
 
 def design_options(base: ModelConfig, label: str, overrides: dict | None = None) -> dict:

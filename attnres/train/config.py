@@ -228,7 +228,25 @@ def small() -> TrainConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "demo": demo, "small": small}
+STUDY_STEPS = 480
+
+
+def study() -> TrainConfig:
+    """The size of ``attnres compare --preset study`` (PreNorm, Block, MHAR and Full, six seeds,
+    paired intervals): about 50 minutes on two CPU cores. Pilot runs: docs/RESULTS.md."""
+    return TrainConfig(
+        model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
+        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20),
+        run=RunConfig(steps=STUDY_STEPS, batch_size=16, seq_len=128, eval_every=STUDY_STEPS // 4, eval_batches=24,
+                      log_every=10),
+    )
+
+
+PRESETS = {"tiny": tiny, "demo": demo, "small": small, "study": study}
+#: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
+#: (others: ``compare.DEFAULT_DESIGNS``, seed 0)
+COMPARISON_PRESETS = {"study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)}}
 
 
 def preset(name: str) -> TrainConfig:
