@@ -25,6 +25,15 @@ def _config_from_args(args, assignments=None):
     return cfg
 
 
+def _block_layers(text: str):
+    """``--block-layers``: one number (layers per block) or a comma list (layers in each block)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma list of numbers") from None
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
 def _add_config_args(p, default_preset, note=""):
     p.add_argument("--preset", default=default_preset,
                    help=f"tiny, demo, small or study (default: %(default)s{note})")
@@ -181,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="folder of the Hugging Face model")
     p.add_argument("dst", help="folder to write the converted model to")
     p.add_argument("--heads", type=int, default=8, help="depth-attention heads (default: %(default)s)")
-    p.add_argument("--block-layers", type=int, default=4, help="transformer layers per block (default: %(default)s)")
+    p.add_argument("--block-layers", type=_block_layers, default=4, metavar="N|N,N,...",
+                   help="transformer layers per block, or a comma list of layers in each block "
+                        "(uneven blocks, e.g. 2,2,3,1) (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a destination folder that is not empty")
     p.set_defaults(fn=cmd_convert)
 

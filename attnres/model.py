@@ -40,7 +40,8 @@ class ModelConfig:
 
     After the sizes and ``residual`` (the kind) come the residual options, flat fields made from
     the streams' constructors (``streams.MODEL_OPTIONS``): ``heads``, ``query``, ``score``,
-    ``key_norm``, ``backend`` (full/block/delta), ``block_size`` or ``num_blocks`` (default 8),
+    ``key_norm``, ``backend`` (full/block/delta), ``block_size``, ``num_blocks`` (default 8) or
+    ``block_sizes`` (uneven blocks, in sublayers, e.g. ``(4, 4, 6, 2)``),
     ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
     ``gr_rank`` (GR's ``rank``). Each applies only to the kinds that take it: setting one for
     another kind is an error, so nothing is silently ignored.
@@ -60,6 +61,8 @@ class ModelConfig:
     residual: str = "prenorm"
 
     def __post_init__(self):
+        if isinstance(self.block_sizes, list):  # as a saved config (JSON) holds it
+            self.block_sizes = tuple(self.block_sizes)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

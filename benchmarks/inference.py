@@ -98,7 +98,7 @@ def main():
     ]
     print_table(rows, list(rows[0]))
     name = "inference" if allocator() == "malloc defaults" else "inference_malloc_fixed"
-    write_csv(name + ("_revisions" if args.revisions else ""), rows)
+    write_csv(name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
 
 
 if __name__ == "__main__":

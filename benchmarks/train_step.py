@@ -130,7 +130,7 @@ def main():
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
     name = "train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed"
-    write_csv(name + ("_revisions" if args.revisions else ""), rows)
+    write_csv(name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ DESIGNS = {
     "full": dict(residual="full"),
     "block": dict(residual="block", block_size=3),
     "mhar": dict(residual="block", block_size=3, heads=4),
+    "mhar-uneven": dict(residual="block", block_sizes="uneven", heads=2),  # sizes (1, M - 3, 2)
     "delta": dict(residual="delta", block_size=2, heads=2),
     "hc": dict(residual="hc", streams=3),
     "mhc": dict(residual="mhc", streams=3),
@@ -27,6 +28,8 @@ DESIGNS = {
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
     base.update(overrides)
+    if base.get("block_sizes") == "uneven":  # a short first block, a long one, a last of two
+        base["block_sizes"] = (1, 2 * base["n_layers"] - 3, 2)
     return ModelConfig(**base)
 
 

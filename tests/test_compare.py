@@ -131,6 +131,18 @@ def test_residual_options_given_to_compare_apply_to_the_designs_that_take_them(t
     assert "| block | block | num_blocks=2, two_phase=False |" in report.read_text()
 
 
+def test_uneven_block_sizes_apply_to_every_block_design(tmp_path):
+    proc = run_compare(tmp_path, "--designs", "prenorm", "block", "mhar", "--set", "model.block_sizes=1,3")
+    assert proc.returncode == 0, proc.stderr
+    report = Path(proc.stdout.strip().splitlines()[-1])
+    for design in ("block", "mhar"):
+        model = json.loads((report.parent / design / "config.json").read_text())["model"]
+        assert (model["block_sizes"], model["num_blocks"], model["block_size"]) == ([1, 3], None, None)
+    assert "| block | block | block_sizes=1,3 |" in report.read_text()
+    heat = json.loads((report.parent / "block" / "analysis.json").read_text())["depth_weights"]
+    assert [len(heat[str(site)]) for site in range(5)] == [1, 2, 3, 3, 3]  # e; e, B0; e, B0, P; ...; e, B0, B1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--designs", "prenorm", "mhc", "--set", "model.num_blocks=2"],
      r"model.num_blocks=2 applies to none of the designs \['prenorm', 'mhc'\]; it is an option of \['block', 'delta'\]"),

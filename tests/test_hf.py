@@ -293,7 +293,10 @@ def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, mo
 @pytest.mark.parametrize("args,message", [
     (["--heads", "0"], r"heads=0 must be a positive integer dividing hidden_size=64"),
     (["--heads", "3"], r"heads=3 must be a positive integer dividing hidden_size=64"),
-    (["--block-layers", "0"], r"block_layers=0 must be an integer in \[1, 4\] \(the number of layers\)"),
+    (["--block-layers", "0"], r"block_layers=0 must be an integer in \[1, 4\] \(the number of layers\) or a list "
+                              r"of layers per block"),
+    (["--block-layers", "1,2"], r"block_layers=\[1, 2\] must be positive layer counts summing to 4 \(the number of layers\)"),
+    (["--block-layers", "4,0"], r"block_layers=\[4, 0\] must be positive layer counts summing to 4 \(the number of layers\)"),
 ])
 def test_convert_refuses_bad_routing_options_before_loading_the_weights(tmp_path, capsys, monkeypatch, args, message):
     from attnres.cli import main
@@ -324,3 +327,29 @@ def test_eval_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys, m
     assert main(["eval", str(src), *args]) == 2
     err = capsys.readouterr().err
     assert re.match(rf"attnres eval: error: {message}", err) and "Traceback" not in err, err
+
+
+def test_uneven_blocks_convert_exactly_and_round_trip(tmp_path):
+    """--block-layers 1,3: a block of one layer, then one of three; exact at step 0, saved as a
+    list, loaded back, and the same model as the stream built from block_sizes in sublayers."""
+    src, _ = saved_source(tmp_path)
+    assert run_convert(src, tmp_path / "dst").returncode == 0  # the equal-blocks twin: --block-layers 2
+    proc = subprocess.run([sys.executable, "-m", "attnres", "convert", str(src), str(tmp_path / "uneven"),
+                           "--heads", "4", "--block-layers", "1,3"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "uneven" / "config.json").read_text())
+    assert config["delta_block_layers"] == [1, 3]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "uneven"))
+    assert loaded.routing.block_sizes == (2, 6) and loaded.routing.num_blocks == 2
+    source = AutoModelForCausalLM.from_pretrained(str(src))
+    x = ids()
+    assert torch.equal(loaded(input_ids=x).logits, source(input_ids=x).logits)
+    # off the zero init, the routing reads its two blocks: other logits than the equal blocks'
+    equal = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"))
+    with torch.no_grad():
+        for model in (loaded, equal):
+            model.routing.gates.fill_(0.5)
+            model.routing.pseudo_queries.normal_(generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(loaded(input_ids=x).logits, equal(input_ids=x).logits)
+    assert torch.equal(loaded.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False),
+                       loaded.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False, use_cache=False))

@@ -83,7 +83,11 @@ def stream_cases(draw):
     m = draw(st.integers(1, 7))
     options = dict(heads=heads, backend=backend)
     if kind != "full":
-        options["block_size"] = draw(st.integers(1, m))
+        if draw(st.booleans()):
+            options["block_size"] = draw(st.integers(1, m))
+        else:  # uneven blocks: a random composition of m
+            cuts = sorted(draw(st.sets(st.integers(1, m - 1), max_size=m - 1))) if m > 1 else []
+            options["block_sizes"] = tuple(b - a for a, b in zip([0, *cuts], [*cuts, m]))
         options["two_phase"] = draw(st.booleans())
     lead = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
     return kind, options, m, dtype, heads * draw(st.integers(2, 4)), lead, draw(st.booleans())

@@ -146,6 +146,74 @@ def test_block_sources_follow_spec(m, s):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("kind", ["block", "delta"])
+@pytest.mark.parametrize("sizes", [(4, 4, 6, 2), (1, 6, 1), (7, 1), (16,), (1,) * 16])
+def test_uneven_block_sources_follow_spec(kind, sizes):
+    """SPEC section 3, uneven blocks: block k covers sublayers [s_k, s_k + n_k); a read sees the
+    completed blocks and the partial sum of its own block; the output, every block."""
+    m = sum(sizes)
+    stream = build_stream(kind, dim=D, num_sublayers=m, block_sizes=sizes)
+    assert stream.num_blocks == len(sizes) and stream.block_sizes == sizes
+    e = torch.randn(D)
+    vs = [torch.full((D,), 1.5**i) for i in range(m)]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    first = [] if kind == "block" else [stream.null]
+    state = stream.init(e)
+    for i in range(m):
+        k = max(k for k, s in enumerate(starts) if s <= i)
+        expected = [*first, e] + [sum(vs[s : s + n]) for s, n in zip(starts[:k], sizes[:k])]
+        if i > starts[k]:
+            expected.append(sum(vs[starts[k] : i]))
+        got = stream.sources(state.routed if kind == "delta" else state)
+        assert len(got) == len(expected), f"sublayer {i}"
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        state = stream.write(state, i, vs[i])
+    expected = [*first, e] + [sum(vs[s : s + n]) for s, n in zip(starts, sizes)]
+    got = stream.sources(state.routed if kind == "delta" else state)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "cpu", "triton"])
+@pytest.mark.parametrize("kind,m,count", [("block", 16, 4), ("block", 16, 8), ("delta", 12, 3), ("block", 6, 6)])
+def test_equal_block_sizes_are_bit_for_bit_num_blocks(kind, m, count, backend):
+    """block_sizes=(S,) * N is exactly num_blocks=N, every read and gradient bit for bit."""
+    size = m // count
+    streams = []
+    for options in (dict(num_blocks=count), dict(block_sizes=(size,) * count)):
+        torch.manual_seed(0)
+        streams.append(randomized(build_stream(kind, dim=D, num_sublayers=m, heads=2, backend=backend, **options)).float())
+    weights = [w.float() for w in RandomSublayers(m=m).weights]
+    results = []
+    for stream in streams:
+        e = torch.randn(3, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        state, reads = stream.init(e), []
+        for i in range(m):
+            reads.append(stream.read(state, i))
+            state = stream.write(state, i, torch.tanh(reads[-1] @ weights[i]))
+        out = stream.output(state)
+        loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + out.square().sum()
+        results.append([*reads, out, *torch.autograd.grad(loss, [e, *stream.parameters()])])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(block_sizes=(4, 4)), r"block_sizes=\(4, 4\) must be positive integers summing to 7"),
+    (dict(block_sizes=(4, 0, 3)), r"block_sizes=\(4, 0, 3\) must be positive integers summing to 7"),
+    (dict(block_sizes=(8, -1)), r"block_sizes=\(8, -1\) must be positive integers"),
+    (dict(block_sizes=()), r"block_sizes=\(\) must be positive integers"),
+    (dict(block_sizes=(3.5, 3.5)), r"block_sizes=\(3.5, 3.5\) must be positive integers"),
+    (dict(block_sizes=(4, 3), block_size=2), r"give block_sizes=\(4, 3\) or block_size, not both"),
+    (dict(block_sizes=(4, 3), num_blocks=2), r"give block_sizes=\(4, 3\) or num_blocks, not both"),
+])
+def test_bad_block_sizes_are_refused_naming_them(options, match):
+    with pytest.raises(ValueError, match=match):
+        build_stream("block", dim=D, num_sublayers=M, **options)
+
+
 def test_zero_init_queries_give_uniform_weights():
     from attnres.streams import Trace
 

@@ -204,6 +204,9 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         (["--set", "optim.lr=nan"], r"optim.lr=nan must be in \(0, inf\)"),
         (["--set", "run.device=gpu"], "run.device='gpu' must be 'auto' or a torch device"),
         (["--set", "model.residual=block", "--set", "model.heads=3"], "heads=3 must be a positive integer dividing dim=32"),
+        (["--set", "model.residual=block", "--set", "model.block_sizes=1,2"],
+         r"block_sizes=\(1, 2\) must be positive integers summing to 4 \(the number of sublayers\)"),
+        (["--set", "model.block_sizes=1,x"], r"--set model.block_sizes='1,x': expected a comma list of int, e.g. 4,4,6,2"),
     ],
 )
 def test_cli_errors_are_clear(tmp_path, args, message):

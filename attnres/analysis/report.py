@@ -268,7 +268,8 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         lines += ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
                   "", "| design | residual | options |", "|---|---|---|"]
         for name, opts in options.items():
-            rest = ", ".join(f"{k}={v}" for k, v in opts.items() if k != "residual") or "defaults"
+            rest = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"  # as --set takes it
+                             for k, v in opts.items() if k != "residual") or "defaults"
             lines.append(f"| {name} | {opts['residual']} | {rest} |")
     lines += [
         "",

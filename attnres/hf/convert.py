@@ -45,12 +45,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def check_routing_options(config, heads, block_layers) -> None:
     """Raise ``ValueError`` unless ``heads`` divides the model's width and ``block_layers`` is a
-    number of its layers."""
+    number of its layers (equal blocks) or a list of positive layer counts summing to them."""
     width, layers = config.hidden_size, config.num_hidden_layers
     if type(heads) is not int or heads < 1 or width % heads:
         raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}")
-    if type(block_layers) is not int or not 1 <= block_layers <= layers:
-        raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers)")
+    if isinstance(block_layers, (list, tuple)):
+        if not block_layers or any(type(n) is not int or n < 1 for n in block_layers) or sum(block_layers) != layers:
+            raise ValueError(f"block_layers={list(block_layers)} must be positive layer counts summing to "
+                             f"{layers} (the number of layers)")
+    elif type(block_layers) is not int or not 1 <= block_layers <= layers:
+        raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers) "
+                         f"or a list of layers per block")
+
+
+def routing_blocks(block_layers) -> dict:
+    """The stream's block option for ``block_layers`` transformer layers per block (an integer,
+    equal blocks) or a list of them (uneven blocks): two sublayers per layer."""
+    if isinstance(block_layers, (list, tuple)):
+        return {"block_sizes": tuple(2 * n for n in block_layers)}
+    return {"block_size": 2 * block_layers}
 
 
 class DeltaRoutingForCausalLM:
@@ -62,7 +75,7 @@ class DeltaRoutingForCausalLM:
         check_routing_options(config, heads, block_layers)
         self.routing = DeltaAttnResStream(
             config.hidden_size, 2 * layers, config.rms_norm_eps, heads=heads,
-            block_size=2 * block_layers, own_norms=False,
+            **routing_blocks(block_layers), own_norms=False,
         )
 
     def _masks(self, inputs_embeds, attention_mask, cache, position_ids) -> list:
@@ -115,7 +128,7 @@ def _make_classes(source: str):
 
     config = strict(type(f"AttnRes{name}Config", (config_cls,), {
         "__module__": __name__,
-        "__annotations__": {"delta_heads": int, "delta_block_layers": int},
+        "__annotations__": {"delta_heads": int, "delta_block_layers": int | list[int]},
         "model_type": f"attnres_{source}",
         "delta_heads": 8,
         "delta_block_layers": 4,
@@ -162,7 +175,7 @@ def freeze_base(model) -> None:
         p.requires_grad_(name.startswith("routing."))
 
 
-def convert(source, *, heads: int = 8, block_layers: int = 4):
+def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
     """Convert a Llama/Mistral/Qwen2/Qwen3 causal LM (a model or a local path) to Delta AttnRes.
 
     Returns the converted model, in the source's dtype, with the source's weights and
@@ -210,7 +223,7 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int = 4,
+def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int | list[int] = 4,
                        overwrite: bool = False) -> dict:
     """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
     files; returns ``{"added_parameters", "base_parameters", "model_type"}``.

@@ -4,23 +4,23 @@
 the keyword-only parameters of its constructor (``Stream.options()``), all with defaults; the
 table summarizes them.
 
-=========  ===============================  ==========================================
+=========  ===============================  ===========================================================
 kind       design                           options
-=========  ===============================  ==========================================
+=========  ===============================  ===========================================================
 prenorm    PreNorm residual (baseline)      eps
 full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm, backend
-block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8), two_phase
+block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8) | block_sizes, two_phase
 delta      Delta AttnRes (conversion)       same as block, own_norms (for wrapping a model)
 hc         Hyper-Connections (dynamic)      streams (default 4)
 mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations
 gr         Gated Residual                   streams (default 4), rank (default dim // 8)
-=========  ===============================  ==========================================
+=========  ===============================  ===========================================================
 """
 
 from __future__ import annotations
 
 from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAttnResStream
-from .base import Option, Stream, Trace, resolve_block_size
+from .base import Option, Stream, Trace, resolve_block_size, resolve_block_sizes
 from .delta import DeltaAttnResStream, DeltaState
 from .gated import GatedResidualStream, gated_branch_mix
 from .hc import HyperConnectionStream
@@ -95,4 +95,5 @@ __all__ = [
     "build_stream",
     "gated_branch_mix",
     "resolve_block_size",
+    "resolve_block_sizes",
 ]

@@ -18,6 +18,7 @@ needs between calls in the state's ``memo``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from ..ops import DepthRouter, RoutingMemo
-from .base import Stream, Trace, resolve_block_size
+from .base import Stream, Trace, resolve_block_sizes
 
 QUERIES = ("static", "input")
 
@@ -196,18 +197,31 @@ class BlockRoutingStream(DepthRoutingStream):
         *,
         block_size: int | None = None,
         num_blocks: int | None = None,
+        block_sizes: tuple[int, ...] | None = None,
         two_phase: bool = True,
         **options,
     ):
         super().__init__(dim, num_sublayers, eps, **options)
-        self.block_size = resolve_block_size(num_sublayers, block_size, num_blocks)
+        sizes, closes_last = resolve_block_sizes(num_sublayers, block_size, num_blocks, block_sizes)
+        self.block_sizes = sizes
+        #: the equal block size ``S``, or None for uneven blocks
+        self.block_size = sizes[0] if block_sizes is None else None
+        # a block is completed after sublayer i when i + 1 is one of its ends; each end starts the
+        # next block, whose sites run to the next end (the last one, to the output routing M)
+        ends = list(itertools.accumulate(sizes))
+        if not closes_last:
+            ends.pop()
+        self._ends = frozenset(ends)
+        starts = [0, *ends]
+        self._block_sites = {first: (starts[k + 1] if k + 1 < len(starts) else num_sublayers + 1)
+                             for k, first in enumerate(starts)}
         self.two_phase = bool(two_phase)
         # blocks run phase 1 when asked and when every query of a block is known before the data
         self.opens_blocks = self.two_phase and self.query == "static"
 
     @property
     def num_blocks(self) -> int:
-        return -(-self.num_sublayers // self.block_size)
+        return len(self.block_sizes)
 
     def _begin(self, e: torch.Tensor) -> BlockState:
         """No source yet, for a pass over data like ``e``."""
@@ -228,7 +242,7 @@ class BlockRoutingStream(DepthRoutingStream):
         """Phase 1 of the block whose first sublayer is ``first_site`` (two-phase path)."""
         if not self.opens_blocks:
             return state
-        last = min(first_site + self.block_size, self.num_sublayers + 1)
+        last = self._block_sites[first_site]
         norm = self._site_norm(first_site) if self.reads_are_normed_mixes else None
         memo = self.router.open_block(state.memo, state.blocks, self.pseudo_queries, self.key_gains, first_site,
                                       last, norm)
@@ -251,21 +265,22 @@ class BlockRoutingStream(DepthRoutingStream):
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
-        if (i + 1) % self.block_size == 0:
+        if i + 1 in self._ends:
             closed = BlockState(state.blocks, None, state.memo, i + 1)
             return self._open_block(self._complete(closed, partial, i + 1), i + 1)
         return BlockState(state.blocks, partial, state.memo, i + 1)
 
     def extra_repr(self) -> str:
         return (
-            f"{super().extra_repr()}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"{super().extra_repr()}, block_sizes={self.block_sizes}, num_blocks={self.num_blocks}, "
             f"two_phase={self.two_phase}"
         )
 
 
 class BlockAttnResStream(BlockRoutingStream):
-    """Block AttnRes with block size ``S`` sublayers (``block_size``) or ``num_blocks`` blocks
-    (default 8, ``S = ceil(M / 8)``). ``S = 1`` is Full AttnRes."""
+    """Block AttnRes with block size ``S`` sublayers (``block_size``), ``num_blocks`` blocks
+    (default 8, ``S = ceil(M / 8)``) or explicit sizes ``block_sizes`` ``(n_0, ..., n_{N-1})``
+    summing to ``M`` (uneven blocks). ``S = 1`` is Full AttnRes."""
 
     kind = "block"
     reads_are_normed_mixes = True

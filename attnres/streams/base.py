@@ -230,6 +230,28 @@ def record_rms(site: int, hidden: torch.Tensor, trace: Trace | None) -> None:
         trace.read_rms[site] = rms(hidden).detach()
 
 
+def resolve_block_sizes(num_sublayers: int, block_size: int | None = None, num_blocks: int | None = None,
+                        block_sizes=None) -> tuple[tuple[int, ...], bool]:
+    """The blocks' sizes in sublayers ``(n_0, ..., n_{N-1})``, summing to ``M``, from one of
+    ``block_sizes`` (explicit, SPEC section 3 "Uneven blocks"), ``block_size`` or ``num_blocks``
+    (equal blocks of ``S`` but a possibly shorter last one; default 8 blocks); and whether the
+    last block is completed after its last sublayer. Explicit sizes always complete it; equal
+    blocks complete it only when ``S`` divides ``M`` (otherwise the output reads it as the
+    partial, as the block-size formulas of SPEC section 3 have it; both give the same sources)."""
+    m = num_sublayers
+    if block_sizes is None:
+        size = resolve_block_size(m, block_size, num_blocks)
+        return (size,) * (m // size) + ((m % size,) if m % size else ()), m % size == 0
+    given = [name for name, value in (("block_size", block_size), ("num_blocks", num_blocks)) if value is not None]
+    if given:
+        raise ValueError(f"give block_sizes={block_sizes!r} or {given[0]}, not both")
+    sizes = tuple(block_sizes) if isinstance(block_sizes, (list, tuple)) else None
+    if not sizes or any(type(n) is not int or n < 1 for n in sizes) or sum(sizes) != m:
+        raise ValueError(f"block_sizes={block_sizes!r} must be positive integers summing to {m} "
+                         f"(the number of sublayers)")
+    return sizes, True
+
+
 def resolve_block_size(num_sublayers: int, block_size: int | None, num_blocks: int | None) -> int:
     """Block size in sublayers from either ``block_size`` or ``num_blocks`` (default 8 blocks,
     capped at one block per sublayer). ``N = ceil(M / S)`` blocks result."""

@@ -54,8 +54,8 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
     for name, value in overrides.items():
         if name == "residual" or MODEL_OPTIONS[name].name in takes:
             options[name] = value
-    if "block_size" in options and "num_blocks" not in overrides:  # the user's block size replaces the design's count
-        options.pop("num_blocks", None)
+    if {"block_size", "block_sizes"} & set(options) and "num_blocks" not in overrides:
+        options.pop("num_blocks", None)  # the user's block size(s) replace the design's count
     return options
 
 

@@ -258,12 +258,20 @@ def preset(name: str) -> TrainConfig:
 # -- overrides -------------------------------------------------------------------------------
 
 def parse_value(value: str, annotation, key: str):
-    """Parse ``value`` for a field annotated ``annotation`` (str, int, float, bool, X | None)."""
+    """Parse ``value`` for a field annotated ``annotation`` (str, int, float, bool, a tuple of
+    one of those written as a comma list, X | None)."""
     args = typing.get_args(annotation)
     if type(annotation) in (types.UnionType, typing.Union) or typing.get_origin(annotation) is typing.Union:
         if value.lower() in ("none", "null"):
             return None
         annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is tuple:  # tuple[int, ...]: "4,4,6,2"
+        item = typing.get_args(annotation)[0]
+        try:
+            return tuple(item(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(f"--set {key}={value!r}: expected a comma list of {item.__name__}, "
+                             f"e.g. 4,4,6,2") from None
     try:
         if annotation is bool:
             if value.lower() in ("1", "true", "yes", "on"):
