@@ -163,7 +163,7 @@ def test_unsupported_models_are_refused():
         convert(gpt2)
     with pytest.raises(ValueError, match=r"heads=5 must be a positive integer dividing hidden_size=64"):
         convert(source_model("llama"), heads=5)
-    with pytest.raises(ValueError, match=r"block_layers=9 must be in \[1, 4\]"):
+    with pytest.raises(ValueError, match=r"block_layers=9 must be an integer in \[1, 4\]"):
         convert(source_model("llama"), heads=4, block_layers=9)
 
 
@@ -313,7 +313,7 @@ def test_convert_refuses_bad_routing_options_before_loading_the_weights(tmp_path
 
 @pytest.mark.parametrize("args,message", [
     (["--tasks", "no_such_task"], r"unknown lm-eval task\(s\) \['no_such_task'\]"),
-    (["--tasks", "hellaswag", "--limit", "0"], r"limit=0 must be a positive number of examples"),
+    (["--tasks", "hellaswag", "--limit", "0"], r"limit=0 must be a positive number of examples per task, a fraction in \(0, 1\)"),
     (["--tasks", "hellaswag", "--batch-size", "0"], r"batch_size=0 must be >= 1"),
     (["--tasks", "hellaswag", "--device", "gpu"], r"device='gpu' is not a torch device"),
 ])
@@ -330,8 +330,9 @@ def test_eval_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys, m
 
 
 def test_uneven_blocks_convert_exactly_and_round_trip(tmp_path):
-    """--block-layers 1,3: a block of one layer, then one of three; exact at step 0, saved as a
-    list, loaded back, and the same model as the stream built from block_sizes in sublayers."""
+    """--block-layers 1,3: a block of one layer, then one of three (block_sizes (2, 6) in
+    sublayers); exact at step 0, saved as a list, loaded back; off the zero init it routes other
+    sources than equal blocks do; generation with the cache equals generation without."""
     src, _ = saved_source(tmp_path)
     assert run_convert(src, tmp_path / "dst").returncode == 0  # the equal-blocks twin: --block-layers 2
     proc = subprocess.run([sys.executable, "-m", "attnres", "convert", str(src), str(tmp_path / "uneven"),

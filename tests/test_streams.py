@@ -176,13 +176,16 @@ def test_uneven_block_sources_follow_spec(kind, sizes):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("backend", ["naive", "torch", "cpu", "triton"])
-@pytest.mark.parametrize("kind,m,count", [("block", 16, 4), ("block", 16, 8), ("delta", 12, 3), ("block", 6, 6)])
-def test_equal_block_sizes_are_bit_for_bit_num_blocks(kind, m, count, backend):
-    """block_sizes=(S,) * N is exactly num_blocks=N, every read and gradient bit for bit."""
-    size = m // count
+def drive_both(kind, m, backend, equal, sizes):
+    """Every read, the output and every gradient of two streams that differ only in how their
+    blocks are given (``equal``: block_size or num_blocks; ``sizes``: block_sizes)."""
+    from attnres.ops import BACKENDS, Request
+
+    problem = BACKENDS[backend].problem(Request("cpu", torch.float32, "softmax", True))
+    if problem:
+        pytest.skip(f"backend {backend!r} cannot run here: {problem}")
     streams = []
-    for options in (dict(num_blocks=count), dict(block_sizes=(size,) * count)):
+    for options in (equal, dict(block_sizes=sizes)):
         torch.manual_seed(0)
         streams.append(randomized(build_stream(kind, dim=D, num_sublayers=m, heads=2, backend=backend, **options)).float())
     weights = [w.float() for w in RandomSublayers(m=m).weights]
@@ -196,8 +199,25 @@ def test_equal_block_sizes_are_bit_for_bit_num_blocks(kind, m, count, backend):
         out = stream.output(state)
         loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + out.square().sum()
         results.append([*reads, out, *torch.autograd.grad(loss, [e, *stream.parameters()])])
-    for a, b in zip(*results):
+    return results
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "cpu", "triton"])
+@pytest.mark.parametrize("kind,m,count", [("block", 16, 4), ("block", 16, 8), ("delta", 12, 3), ("block", 6, 6)])
+def test_equal_block_sizes_are_bit_for_bit_num_blocks(kind, m, count, backend):
+    """block_sizes=(S,) * N is exactly num_blocks=N, every read and gradient bit for bit."""
+    for a, b in zip(*drive_both(kind, m, backend, dict(num_blocks=count), (m // count,) * count)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "cpu", "triton"])
+@pytest.mark.parametrize("kind", ["block", "delta"])
+def test_a_shorter_last_block_given_as_sizes_equals_block_size(kind, backend):
+    """block_size=3 over 10 sublayers leaves a last block of 1, which the output reads as the
+    partial; block_sizes=(3, 3, 3, 1) completes it. The same sources, so the same values (up
+    to rounding: the output's read runs through another path)."""
+    for a, b in zip(*drive_both(kind, 10, backend, dict(block_size=3), (3, 3, 3, 1))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("options,match", [
@@ -408,13 +428,14 @@ def test_read_and_write_refuse_an_index_that_is_not_a_sublayer(kind, index):
 def test_reads_writes_and_output_out_of_order_are_refused(kind):
     stream, state = started(kind)
     v = torch.randn(2, 5, D)
-    with pytest.raises(RuntimeError, match=r"read\(1\) out of order: the state holds the writes of sublayers "
-                                           r"0\.\.-1, so the next sublayer is 0"):
+    with pytest.raises(RuntimeError, match=r"read\(1\) out of order: the state holds no write yet, so the next "
+                                           r"sublayer is 0"):
         stream.read(state, 1)
     with pytest.raises(RuntimeError, match=r"output needs all 3 sublayers written, the state holds 0"):
         stream.output(state)
     state = stream.write(state, 0, v)
-    with pytest.raises(RuntimeError, match=r"write\(0\) out of order: .* so the next sublayer is 1"):
+    with pytest.raises(RuntimeError, match=r"write\(0\) out of order: the state holds the writes of sublayers "
+                                           r"0\.\.0, so the next sublayer is 1"):
         stream.write(state, 0, v)  # the same sublayer twice
     with pytest.raises(RuntimeError, match=r"write\(2\) out of order"):
         stream.write(state, 2, v)  # one skipped

@@ -336,3 +336,18 @@ def test_every_design_trains_bit_for_bit_the_same_twice_and_across_a_resume(tmp_
     assert len(first) == 6 and all(math.isfinite(r.get("loss", r.get("val_loss", math.nan))) for r in first)
     assert log_rows(tmp_path / "second") == first
     assert log_rows(tmp_path / "resumed") == first
+
+
+def test_a_checkpoint_from_before_a_new_model_field_still_loads(tmp_path, corpus):
+    """A field added to ModelConfig later (block_sizes) reads as its default in an older
+    checkpoint; a field that differs still refuses."""
+    cfg = quiet(tiny(), steps=2)
+    train(cfg, tmp_path, corpus=corpus)
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    del state["config"]["model"]["block_sizes"]
+    torch.save(state, ckpt / "state.pt")
+    weights, _ = load_checkpoint(ckpt, cfg.model)
+    assert "tok_embeddings.weight" in weights
+    with pytest.raises(CheckpointError, match=r"fields differ: \['dim'\]"):
+        load_checkpoint(ckpt, replace(cfg.model, dim=64))

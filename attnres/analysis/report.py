@@ -25,8 +25,19 @@ def _matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("the report's figures need matplotlib: pip install 'attnres[report]'") from None
+        raise ValueError("the report's figures need matplotlib: pip install 'attnres[report]'") from None
     return plt
+
+
+def check_report_dependencies(seeds: int) -> None:
+    """Raise ``ValueError`` unless the report of a comparison over ``seeds`` seeds can be
+    written (matplotlib; scipy for the intervals of two or more): checked before any training."""
+    _matplotlib()
+    if seeds > 1:
+        try:
+            import scipy.stats  # noqa: F401
+        except ImportError:
+            raise ValueError("the intervals over seeds need scipy: pip install 'attnres[report]'") from None
 
 
 def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:

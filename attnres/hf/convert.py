@@ -199,6 +199,8 @@ def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
     fields = source.config.to_dict()
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         fields.pop(key, None)
+    if isinstance(block_layers, tuple):  # the config's field holds a number or a list
+        block_layers = list(block_layers)
     config = config_cls(**fields, delta_heads=heads, delta_block_layers=block_layers)
     converted = model_cls(config)
     missing, unexpected = converted.load_state_dict(source.state_dict(), strict=False)

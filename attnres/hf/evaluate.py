@@ -35,8 +35,9 @@ def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | Non
              limit: int | None = None, device: str = "cpu", batch_size: int = 1,
              log_samples: bool = False) -> dict:
     """Run ``lm_eval.simple_evaluate`` on ``tasks``; ``include_path`` adds a folder of task YAMLs."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit} must be a positive number of examples per task (or None for all)")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"limit={limit} must be a positive number of examples per task, a fraction in (0, 1) "
+                         f"of them, or None for all")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     try:

@@ -5,7 +5,8 @@ Full  stores: every new output ``[e, v_0, ..., v_{i-1}]``.
       writes: appends ``v_i``.
 Block stores: ``e``, the completed block sums ``B_0..B_{n-1}`` and the partial sum ``P_i``.
       reads:  the same routing over ``[e, B_0, ..., B_{n-1}] (+ [P_i] when p > 0)``.
-      writes: adds ``v_i`` to the partial; the partial becomes a block every ``S`` sublayers.
+      writes: adds ``v_i`` to the partial; the partial becomes a block at each block's end (every
+              ``S`` sublayers, or after ``n_0, n_0 + n_1, ...`` with uneven ``block_sizes``).
 
 Every routing site (sublayer ``i``, and ``M`` for the output) has its own pseudo-query, the row
 ``pseudo_queries[i]`` (zero-init: uniform weights), and key-norm gain ``key_gains[i]`` (init 1).
@@ -173,9 +174,10 @@ class BlockState(NamedTuple):
 class BlockRoutingStream(DepthRoutingStream):
     """Block bookkeeping and the two-phase computation, shared by Block and Delta AttnRes.
 
-    The output routing is treated as a virtual sublayer ``M``: it sits at position
-    ``M mod S`` of block ``M div S``, which gives exactly the output's sources of SPEC section 3
-    (the partial final block included when non-empty).
+    The output routing is treated as a virtual sublayer ``M`` after the last one: it opens a
+    block of its own when the last block is completed, and otherwise reads that block as the
+    partial (equal blocks of ``S`` that do not divide ``M``), which gives exactly the output's
+    sources of SPEC section 3 (the partial final block included when non-empty).
 
     With ``two_phase=True`` (default), each block's queries are scored against its completed
     sources once when the block opens (``init`` and the ``write`` that closes the previous

@@ -144,8 +144,9 @@ class Stream(nn.Module):
             raise ValueError(f"{self.kind} stream: {operation}({i!r}) needs a sublayer index, an integer in "
                              f"[0, {self.num_sublayers - 1}]")
         written = self._written(state)
-        raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds the writes "
-                           f"of sublayers 0..{written - 1}, so the next sublayer is {written}")
+        held = f"the writes of sublayers 0..{written - 1}" if written else "no write yet"
+        raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds {held}, "
+                           f"so the next sublayer is {written}")
 
     # -- what each design implements ----------------------------------------------------------
     def _init(self, e: torch.Tensor) -> Any:

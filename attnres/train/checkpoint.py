@@ -9,6 +9,7 @@ a full disk mid-write leaves the previous checkpoint untouched and ``latest`` po
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -100,6 +101,9 @@ def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tu
     if expected_model is not None:
         saved = state.get("config", {}).get("model")
         current = {k: v for k, v in vars(expected_model).items() if not k.startswith("_")}
+        if saved is not None:  # a field added since the checkpoint was written reads as its default
+            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+            saved = {**{k: defaults[k] for k in current if k not in saved and k in defaults}, **saved}
         if saved != current:
             diff = sorted(k for k in current if saved is None or saved.get(k) != current[k])
             raise CheckpointError(

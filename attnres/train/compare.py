@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from ..analysis.capture import capture_analysis
-from ..analysis.report import choose_baseline, write_report
+from ..analysis.report import check_report_dependencies, choose_baseline, write_report
 from ..model import ModelConfig
 from ..streams import MODEL_OPTIONS, STREAMS
 from .config import COMPARISON_PRESETS, TrainConfig, parse_value
@@ -114,6 +114,7 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
     if any(type(s) is not int or s < 0 for s in seeds):
         raise ValueError(f"seeds {seeds} must be integers >= 0")
     baseline = choose_baseline(designs, baseline)
+    check_report_dependencies(len(seeds))
     overrides = overrides or {}
     check_overrides(designs, overrides)
     configs = {label: design_config(base.model, label, overrides) for label in designs}  # fail fast on bad labels

@@ -1,0 +1,110 @@
+"""The numbers docs/RESULTS.md reads from a comparison folder (``attnres compare --preset study``).
+
+    python studies/study_summary.py runs/compare-<timestamp> [runs/compare-<other> ...]
+
+For each folder:
+
+  final     every design's final validation loss against each baseline (PreNorm, Block), paired
+            over seeds with the 95% Student-t interval (``analysis.report.comparison_results``)
+  curve     the same paired difference at every evaluation along training (hypothesis 3)
+  routing   per AttnRes design, the entropy of the token-averaged depth weights at each routing
+            site, averaged over seeds and sites (nats; ``ln(number of sources)`` is uniform), and
+            the RMS of the trained pseudo-queries (hypothesis 4)
+
+With two folders trained on the same seeds (the study and a variant of it, e.g. ``--set
+model.norm_eps=1e-12``), ``across`` pairs each design with itself over the seeds: the change the
+variant makes, and the change in each design's gap to Block (hypothesis 2).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from attnres.analysis.report import _by_design, _val_curve, comparison_results, load_runs
+from attnres.analysis.stats import paired_difference
+from attnres.train.checkpoint import latest_checkpoint
+
+
+def fmt(entry: dict) -> str:
+    low, high = entry["ci95"] or (math.nan, math.nan)
+    return f"{entry['diff_mean']:+.4f} [{low:+.4f}, {high:+.4f}] {entry['verdict']}"
+
+
+def routing_summary(runs: list[dict]) -> tuple[float, float, float]:
+    """Mean entropy of the token-averaged depth weights over sites, heads and seeds; the same
+    for uniform weights; and the RMS of the pseudo-queries, mean over seeds."""
+    entropies, uniform, query_rms = [], [], []
+    for run in runs:
+        for weights in run["analysis"]["depth_weights"].values():  # [N_sources][heads]
+            for head in zip(*weights):
+                entropies.append(-sum(w * math.log(w) for w in head if w > 0))
+                uniform.append(math.log(len(head)))
+        ckpt = latest_checkpoint(Path(run["path"]) / "checkpoints")
+        queries = load_file(str(ckpt / "model.safetensors"))["stream.pseudo_queries"]
+        query_rms.append(float(queries.square().mean().sqrt()))
+    return statistics.fmean(entropies), statistics.fmean(uniform), statistics.fmean(query_rms)
+
+
+def summarize(folder: Path) -> dict[str, list[dict]]:
+    _, runs = load_runs(folder)
+    for run in runs:
+        run["path"] = folder / run["dir"]
+    designs = _by_design(runs)
+    print(f"# {folder}: {len(next(iter(designs.values())))} seeds")
+    for baseline in [b for b in ("prenorm", "block") if b in designs]:
+        results = comparison_results(designs, baseline)["designs"]
+        print(f"final, against {baseline}:")
+        for name, entry in results.items():
+            if name != baseline:
+                print(f"  {name:8s} {fmt(entry)}")
+    print("curve (paired difference at each evaluation):")
+    for name, baseline in (("block", "prenorm"), ("full", "block"), ("mhar", "block"), ("full", "prenorm")):
+        if name not in designs or baseline not in designs:
+            continue
+        base = {str(r["seed"]): _val_curve(r) for r in designs[baseline]}
+        own = {str(r["seed"]): _val_curve(r) for r in designs[name]}
+        points = []
+        for tokens in sorted(next(iter(own.values()))):
+            entry = paired_difference({s: c[tokens] for s, c in base.items()}, {s: c[tokens] for s, c in own.items()})
+            points.append(f"{tokens // 1000}k: {fmt(entry)}")
+        print(f"  {name} - {baseline}: " + "; ".join(points))
+    print("routing (entropy of token-averaged depth weights, nats; uniform; pseudo-query RMS):")
+    for name, group in designs.items():
+        if group[0]["analysis"] and group[0]["analysis"]["depth_weights"]:
+            entropy, uniform, rms = routing_summary(group)
+            print(f"  {name:8s} {entropy:.3f} (uniform {uniform:.3f}); query RMS {rms:.4f}")
+    return designs
+
+
+def across(first: dict, second: dict) -> None:
+    """Each design of ``second`` against itself in ``first``, paired over seeds; and each
+    design's gap to Block in ``second`` against that in ``first``."""
+    print("# across: second folder minus first, per design (paired over seeds)")
+    losses = [{n: {str(r["seed"]): r["summary"]["final_val_loss"] for r in rs} for n, rs in d.items()}
+              for d in (first, second)]
+    for name in losses[1]:
+        if name in losses[0]:
+            print(f"  {name:8s} {fmt(paired_difference(losses[0][name], losses[1][name]))}")
+    if "block" in losses[0] and "block" in losses[1]:
+        for name in losses[1]:
+            if name != "block" and name in losses[0]:
+                gaps = [{s: d[name][s] - d["block"][s] for s in d[name]} for d in losses]
+                print(f"  gap {name} - block: {fmt(paired_difference(gaps[0], gaps[1]))}")
+
+
+def main() -> None:
+    folders = [Path(p) for p in sys.argv[1:]]
+    if not folders:
+        sys.exit(__doc__)
+    summaries = [summarize(folder) for folder in folders]
+    if len(summaries) == 2:
+        across(*summaries)
+
+
+if __name__ == "__main__":
+    main()
