@@ -31,7 +31,7 @@ def _block_layers(text: str):
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma list of numbers") from None
-    return values[0] if len(values) == 1 and "," not in text else values
+    return values[0] if len(values) == 1 else values
 
 
 def _add_config_args(p, default_preset, note=""):

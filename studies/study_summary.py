@@ -25,7 +25,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from attnres.analysis.report import _by_design, _val_curve, comparison_results, load_runs
+from attnres.analysis.report import by_design, comparison_results, load_runs, val_curve
 from attnres.analysis.stats import paired_difference
 from attnres.train.checkpoint import latest_checkpoint
 
@@ -54,7 +54,7 @@ def summarize(folder: Path) -> dict[str, list[dict]]:
     _, runs = load_runs(folder)
     for run in runs:
         run["path"] = folder / run["dir"]
-    designs = _by_design(runs)
+    designs = by_design(runs)
     print(f"# {folder}: {len(next(iter(designs.values())))} seeds")
     for baseline in [b for b in ("prenorm", "block") if b in designs]:
         results = comparison_results(designs, baseline)["designs"]
@@ -66,8 +66,8 @@ def summarize(folder: Path) -> dict[str, list[dict]]:
     for name, baseline in (("block", "prenorm"), ("full", "block"), ("mhar", "block"), ("full", "prenorm")):
         if name not in designs or baseline not in designs:
             continue
-        base = {str(r["seed"]): _val_curve(r) for r in designs[baseline]}
-        own = {str(r["seed"]): _val_curve(r) for r in designs[name]}
+        base = {str(r["seed"]): val_curve(r) for r in designs[baseline]}
+        own = {str(r["seed"]): val_curve(r) for r in designs[name]}
         points = []
         for tokens in sorted(next(iter(own.values()))):
             entry = paired_difference({s: c[tokens] for s, c in base.items()}, {s: c[tokens] for s, c in own.items()})

@@ -62,7 +62,7 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
     return index, runs
 
 
-def _by_design(runs: list[dict]) -> dict[str, list[dict]]:
+def by_design(runs: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for run in runs:
         out.setdefault(run["design"], []).append(run)
@@ -74,7 +74,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _val_curve(run: dict) -> dict[int, float]:
+def val_curve(run: dict) -> dict[int, float]:
     """Validation loss by training tokens."""
     return {m["tokens"]: m["val_loss"] for m in run["metrics"] if m["split"] == "val"}
 
@@ -84,7 +84,7 @@ def _fig_loss_curves(plt, designs, path):
     highest seed where there are several."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for k, (name, runs) in enumerate(designs.items()):
-        curves = [_val_curve(run) for run in runs]
+        curves = [val_curve(run) for run in runs]
         tokens = sorted(set.intersection(*(set(c) for c in curves)))
         if not tokens:
             continue
@@ -168,7 +168,7 @@ def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
     for name, runs in designs.items():
         losses = final_losses(runs)
         mean, sd = mean_and_sd(list(losses.values()))
-        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": None if math.isnan(sd) else sd}
+        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": sd}
         if name != baseline:
             paired = paired_difference(base, losses)
             entry.update(diff_mean=paired["diff_mean"], ci95=paired["ci95"], verdict=paired["verdict"])
@@ -194,53 +194,50 @@ def _summary_lines(index, designs, results, unit) -> list[str]:
     baseline = results["baseline"]
     entries = results["designs"]
     seeds = sorted({s for e in entries.values() for s in e["val_loss"]}, key=int)
-    lines = []
-    if len(seeds) < 2:
-        lines += [
+    paired = len(seeds) > 1
+
+    def row(name: str, runs: list[dict]) -> str:
+        e = entries[name]
+        loss = f"{e['val_loss_mean']:.4f}" + ("" if e["val_loss_sd"] is None else f" ± {e['val_loss_sd']:.4f}")
+        cells = [name, loss, f"{e['val_loss_mean'] / math.log(2):.4f}"]
+        if name == baseline:
+            cells += ["baseline"] + ["", ""] * paired
+        else:
+            cells.append(f"{e['diff_mean']:+.4f}")
+            if paired:
+                low, high = e["ci95"]
+                cells += [f"[{low:+.4f}, {high:+.4f}]", "not resolved" if e["verdict"] == "unresolved" else e["verdict"]]
+        cells += [f"{runs[0]['summary']['parameters']:,}", f"{_mean(r['summary']['peak_memory_mib'] for r in runs):,.0f}"]
+        return "| " + " | ".join(cells) + " |"
+
+    if not paired:
+        header = ["val loss (nats)", unit, f"vs {baseline}"]
+        lines = [
             "**One seed: this comparison cannot tell a difference between designs from seed noise.** "
             "A different initialization and batch order moves every design's loss; only several seeds, "
             "paired, measure by how much. To resolve the differences, run:",
             "", f"    {rerun_command(index)}", "",
-            f"| design | val loss (nats) | {unit} | vs {baseline} | parameters | peak memory (MiB) |",
-            "|---|---|---|---|---|---|",
         ]
-        for name, rs in designs.items():
-            e = entries[name]
-            diff = "baseline" if name == baseline else f"{e['diff_mean']:+.4f}"
-            lines.append(f"| {name} | {e['val_loss_mean']:.4f} | {e['val_loss_mean'] / math.log(2):.4f} | {diff} | "
-                         f"{rs[0]['summary']['parameters']:,} | "
-                         f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |")
-        return lines
-    lines += [
-        f"Final validation loss over {len(seeds)} seeds. For each seed every design starts from the same "
-        "initialization seed and sees the same batches, so the difference to the baseline is taken per "
-        f"seed and averaged; the 95% interval of that mean difference is Student's t with n-1 degrees of "
-        f"freedom (`scipy.stats.ttest_rel`). Verdict: better (interval below 0), worse (above 0), or not "
-        "resolved at this budget (the interval holds 0).",
-        "",
-        f"| design | val loss (nats), mean ± sd | {unit} | vs {baseline}, paired | 95% interval | verdict | "
-        "parameters | peak memory (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    words = {"better": "better", "worse": "worse", "unresolved": "not resolved"}
-    for name, rs in designs.items():
-        e = entries[name]
-        sd = "" if e["val_loss_sd"] is None else f" ± {e['val_loss_sd']:.4f}"
-        if name == baseline:
-            diff, interval, verdict = "baseline", "", ""
-        else:
-            diff = f"{e['diff_mean']:+.4f}"
-            interval = "" if e["ci95"] is None else f"[{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]"
-            verdict = words[e["verdict"]]
-        lines.append(f"| {name} | {e['val_loss_mean']:.4f}{sd} | {e['val_loss_mean'] / math.log(2):.4f} | {diff} | "
-                     f"{interval} | {verdict} | {rs[0]['summary']['parameters']:,} | "
-                     f"{_mean(r['summary']['peak_memory_mib'] for r in rs):,.0f} |")
-    lines += ["", "Per seed (final validation loss, nats):", "",
-              "| design | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-              "|---|" + "---|" * len(seeds)]
-    for name in designs:
-        losses = entries[name]["val_loss"]
-        lines.append(f"| {name} | " + " | ".join(f"{losses[s]:.4f}" if s in losses else "" for s in seeds) + " |")
+    else:
+        header = ["val loss (nats), mean ± sd", unit, f"vs {baseline}, paired", "95% interval", "verdict"]
+        lines = [
+            f"Final validation loss over {len(seeds)} seeds. For each seed every design starts from the same "
+            "initialization seed and sees the same batches, so the difference to the baseline is taken per "
+            "seed and averaged; the 95% interval of that mean difference is Student's t with n-1 degrees of "
+            "freedom (`scipy.stats.ttest_rel`). Verdict: better (interval below 0), worse (above 0), or not "
+            "resolved at this budget (the interval holds 0).",
+            "",
+        ]
+    header = ["design", *header, "parameters", "peak memory (MiB)"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += [row(name, runs) for name, runs in designs.items()]
+    if paired:
+        lines += ["", "Per seed (final validation loss, nats):", "",
+                  "| design | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]
+        for name in designs:
+            losses = entries[name]["val_loss"]
+            lines.append(f"| {name} | " + " | ".join(f"{losses[s]:.4f}" if s in losses else "" for s in seeds) + " |")
     return lines
 
 
@@ -251,7 +248,7 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     compare_dir = Path(compare_dir)
     plt = _matplotlib()
     index, runs = load_runs(compare_dir)
-    designs = _by_design(runs)
+    designs = by_design(runs)
     baseline = choose_baseline(designs, baseline or index.get("baseline"))
     results = comparison_results(designs, baseline)
     byte_tokens = runs[0]["config"]["data"]["tokenizer"] == "byte"

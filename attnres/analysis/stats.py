@@ -10,11 +10,7 @@ better: the interval wholly below 0 says "better", wholly above 0 "worse", other
 
 from __future__ import annotations
 
-import math
 import statistics
-
-VERDICTS = ("better", "worse", "unresolved")
-
 
 def paired_difference(baseline: dict[str, float], design: dict[str, float], confidence: float = 0.95) -> dict:
     """``{"seeds", "diff_mean", "ci95", "verdict"}`` for ``design`` against ``baseline``, each a
@@ -39,7 +35,6 @@ def paired_difference(baseline: dict[str, float], design: dict[str, float], conf
     return {"seeds": seeds, "diff_mean": mean, "ci95": [low, high], "verdict": verdict}
 
 
-def mean_and_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (``nan`` for one value)."""
-    mean = statistics.fmean(values)
-    return mean, statistics.stdev(values) if len(values) > 1 else math.nan
+def mean_and_sd(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None

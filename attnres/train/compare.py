@@ -59,10 +59,12 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
     return options
 
 
-def design_config(base: ModelConfig, label: str, overrides: dict | None = None) -> ModelConfig:
-    """``base``'s sizes with design ``label``'s residual options (``design_options``)."""
+def design_config(base: ModelConfig, label: str, overrides: dict | None = None,
+                  options: dict | None = None) -> ModelConfig:
+    """``base``'s sizes with design ``label``'s residual options (``options``, when already
+    made by ``design_options``)."""
     sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
-    return ModelConfig(**sizes, **design_options(base, label, overrides))
+    return ModelConfig(**sizes, **(options or design_options(base, label, overrides)))
 
 
 def check_overrides(designs, overrides: dict) -> None:
@@ -117,7 +119,8 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
     check_report_dependencies(len(seeds))
     overrides = overrides or {}
     check_overrides(designs, overrides)
-    configs = {label: design_config(base.model, label, overrides) for label in designs}  # fail fast on bad labels
+    options = {label: design_options(base.model, label, overrides) for label in designs}  # fail fast on bad labels
+    configs = {label: design_config(base.model, label, options=options[label]) for label in designs}
     for label, config in configs.items():
         dataclasses.replace(base, model=config).validate()
     root = Path(out_dir) / time.strftime("compare-%Y%m%d-%H%M%S")
@@ -136,7 +139,7 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
             (root / name / "analysis.json").write_text(json.dumps(analysis))
             log(f"[{time.time() - start:5.0f}s] {name}: validation loss {result.summary['final_val_loss']:.4f}")
             index["runs"].append({"design": label, "seed": seed, "dir": name,
-                                  "options": design_options(base.model, label, overrides)})
+                                  "options": options[label]})
             (root / "compare.json").write_text(json.dumps(index, indent=2))
     index["wall_time_s"] = time.time() - start
     (root / "compare.json").write_text(json.dumps(index, indent=2))
