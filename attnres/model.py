@@ -9,7 +9,9 @@ The transformer never knows which residual design it has::
 
 Parameter names do not depend on the stream: ``tok_embeddings``, ``layers.{l}.attn.{wq,wk,wv,wo}``,
 ``layers.{l}.mlp.{w1,w2,w3}``, ``stream.norms.{i}``, ``stream.final_norm``, ``lm_head``; a stream's
-own parameters live under ``stream.``.
+own parameters live under ``stream.``. With ``moe_experts > 0`` every MLP is a mixture of experts
+(``moe.MoE``): ``layers.{l}.mlp.gate``, ``layers.{l}.mlp.{w1,w2,w3}`` stacked over experts,
+``layers.{l}.mlp.shared.{w1,w2,w3}`` and the buffer ``layers.{l}.mlp.expert_bias``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .moe import BALANCE, MoE, SwiGLU, ExpertStats
 from .streams import KINDS, MODEL_OPTIONS, STREAMS, Stream, Trace, build_stream
 
 
@@ -45,6 +48,13 @@ class ModelConfig:
     ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
     ``gr_rank`` (GR's ``rank``). Each applies only to the kinds that take it: setting one for
     another kind is an error, so nothing is silently ignored.
+
+    ``moe_experts > 0`` makes every MLP a mixture of that many routed experts (``moe.MoE``):
+    ``moe_top_k`` chosen per token, ``moe_shared_experts`` every token passes through, each of
+    width ``moe_hidden`` (default ``ffn_dim``); ``moe_balance`` ``"aux"`` adds the balance loss
+    times ``moe_aux_weight``, ``"bias"`` moves a selection bias by ``moe_bias_rate`` after each
+    optimizer step; ``moe_capacity`` > 0 caps each expert at that factor of an even share in
+    training (0: no token dropped). The ``moe_*`` options need ``moe_experts > 0``.
     """
 
     vocab_size: int
@@ -58,6 +68,14 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_hidden: int | None = None  # default: ffn_dim
+    moe_balance: str = "aux"
+    moe_aux_weight: float = 0.01
+    moe_bias_rate: float = 1e-3
+    moe_capacity: float = 0.0
     residual: str = "prenorm"
 
     def __post_init__(self):
@@ -79,12 +97,34 @@ class ModelConfig:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads!r} must be a positive integer dividing n_heads={self.n_heads}"
             )
+        self._check_moe()
         if self.residual not in KINDS:
             raise ValueError(f"residual={self.residual!r} is not one of {KINDS}")
         accepted = STREAMS[self.residual].options()
         for name, option in MODEL_OPTIONS.items():
             if option.name not in accepted and getattr(self, name) != option.default:
                 raise ValueError(f"{name}={getattr(self, name)!r} does not apply to residual={self.residual!r}")
+
+    def _check_moe(self) -> None:
+        """The ``moe_*`` options: in range, and set only for an MoE model (nothing ignored)."""
+        defaults = {f: type(self).__dataclass_fields__[f].default for f in MOE_FIELDS}
+        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
+            raise ValueError(f"moe_experts={self.moe_experts!r} must be an integer >= 0 (0: a dense MLP)")
+        if self.moe_experts == 0:
+            given = [f"{f}={getattr(self, f)!r}" for f in MOE_FIELDS[1:] if getattr(self, f) != defaults[f]]
+            if given:
+                raise ValueError(f"{', '.join(given)} applies to mixture-of-experts models only: set "
+                                 f"moe_experts > 0 (with --set, before it)")
+            return
+        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k!r} must be an integer in [1, moe_experts={self.moe_experts}]")
+        if self.moe_balance not in BALANCE:
+            raise ValueError(f"moe_balance={self.moe_balance!r} is not one of {BALANCE}")
+        unused = {"aux": "moe_bias_rate", "bias": "moe_aux_weight"}[self.moe_balance]
+        if getattr(self, unused) != defaults[unused]:
+            raise ValueError(f"{unused}={getattr(self, unused)!r} does not apply to moe_balance={self.moe_balance!r}")
+        if self.moe_hidden is None:
+            self.moe_hidden = self.ffn_dim
 
     @property
     def num_sublayers(self) -> int:
@@ -98,6 +138,11 @@ class ModelConfig:
         """The options of ``build_stream`` this config sets for its residual kind."""
         accepted = STREAMS[self.residual].options()
         return {option.name: getattr(self, name) for name, option in MODEL_OPTIONS.items() if option.name in accepted}
+
+
+#: the mixture-of-experts options of ``ModelConfig``; the first is the number of experts
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_hidden", "moe_balance", "moe_aux_weight",
+              "moe_bias_rate", "moe_capacity")
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,17 +208,13 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+def mlp(config: ModelConfig) -> nn.Module:
+    """The MLP sublayer: a SwiGLU of width ``ffn_dim``, or a mixture of experts."""
+    if not config.moe_experts:
+        return SwiGLU(config.dim, config.ffn_dim)
+    return MoE(config.dim, config.moe_experts, config.moe_top_k, config.moe_hidden,
+               shared_experts=config.moe_shared_experts, balance=config.moe_balance,
+               bias_rate=config.moe_bias_rate, capacity=config.moe_capacity)
 
 
 class Layer(nn.Module):
@@ -182,7 +223,7 @@ class Layer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = mlp(config)
 
 
 class Transformer(nn.Module):
@@ -216,11 +257,24 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         if not self.config.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
+        out_std = std / math.sqrt(2 * self.config.n_layers)
         for layer in self.layers:
-            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.mlp.w1, layer.mlp.w3):
-                nn.init.normal_(linear.weight, std=std)
-            for linear in (layer.attn.wo, layer.mlp.w2):
-                nn.init.normal_(linear.weight, std=std / math.sqrt(2 * self.config.n_layers))
+            attn, mlp = layer.attn, layer.mlp
+            inputs, outputs = [attn.wq.weight, attn.wk.weight, attn.wv.weight], [attn.wo.weight]
+            if isinstance(mlp, SwiGLU):
+                inputs += [mlp.w1.weight, mlp.w3.weight]
+                outputs.append(mlp.w2.weight)
+            else:  # routed experts, the router, then the shared experts
+                inputs += [mlp.w1, mlp.w3, mlp.gate.weight]
+                outputs.append(mlp.w2)
+                if mlp.shared is not None:
+                    inputs += [mlp.shared.w1.weight, mlp.shared.w3.weight]
+                    outputs.append(mlp.shared.w2.weight)
+                nn.init.zeros_(mlp.expert_bias)
+            for weight in inputs:
+                nn.init.normal_(weight, std=std)
+            for weight in outputs:
+                nn.init.normal_(weight, std=out_std)
         self.stream.reset_parameters()
 
     def _check_tokens(self, tokens: torch.Tensor, start_pos: int) -> None:
@@ -242,9 +296,10 @@ class Transformer(nn.Module):
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
 
     def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
-                      trace: Trace | None = None) -> torch.Tensor:
+                      trace: Trace | None = None, experts: ExpertStats | None = None) -> torch.Tensor:
         """The final normalized hidden state ``[B, T, D]`` (the stream's output); ``trace``
-        records what analysis reads (``streams.Trace``)."""
+        records what analysis reads (``streams.Trace``), ``experts`` what the MoE layers route
+        (``moe.ExpertStats``)."""
         self._check_tokens(tokens, start_pos)
         T = tokens.shape[1]
         cos = self.rope_cos[start_pos : start_pos + T]
@@ -254,11 +309,12 @@ class Transformer(nn.Module):
         for l, layer in enumerate(self.layers):
             i = 2 * l
             state = stream.write(state, i, layer.attn(stream.read(state, i, trace), cos, sin, cache, l, start_pos))
-            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1, trace)))
+            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1, trace), experts))
         return stream.output(state, trace)
 
     def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
-                return_depth_weights: bool = False, trace: Trace | None = None):
+                return_depth_weights: bool = False, trace: Trace | None = None,
+                experts: ExpertStats | None = None):
         """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``.
 
         ``trace`` records the depth weights and read RMS of every site::
@@ -269,15 +325,47 @@ class Transformer(nn.Module):
 
         With ``return_depth_weights=True`` returns ``(logits, weights)`` where ``weights[site]`` is
         the routing of sublayer ``site`` (``M`` for the output), ``[N_sources, B, T, heads]``.
+
+        ``experts`` (an MoE model) records each MoE layer's expert counts and balance loss; a
+        training loop adds ``moe_aux_loss(experts)`` to the loss (``loss`` does)::
+
+            experts = ExpertStats()
+            loss = lm_loss(model(x, experts=experts), y) + model.moe_aux_loss(experts)
         """
         if return_depth_weights and trace is None:
             trace = Trace()
-        logits = self.lm_head(self.hidden_states(tokens, cache=cache, start_pos=start_pos, trace=trace))
+        hidden = self.hidden_states(tokens, cache=cache, start_pos=start_pos, trace=trace, experts=experts)
+        logits = self.lm_head(hidden)
         return (logits, trace.depth_weights) if return_depth_weights else logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats) of ``targets`` ``[B, T]`` given ``tokens``."""
-        return lm_loss(self(tokens), targets)
+        """Mean next-token cross-entropy (nats) of ``targets`` ``[B, T]`` given ``tokens``, plus
+        the MoE balance loss where the model has one (``moe_aux_loss``)."""
+        experts = ExpertStats()
+        return lm_loss(self(tokens, experts=experts), targets) + self.moe_aux_loss(experts)
+
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts sublayers, in depth order (none for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def moe_aux_loss(self, experts: ExpertStats) -> torch.Tensor | float:
+        """``moe_aux_weight`` times the mean balance loss of the layers ``experts`` recorded, for
+        ``moe_balance="aux"``; 0 otherwise (a dense model, or the ``bias`` balance)."""
+        c = self.config
+        if not c.moe_experts or c.moe_balance != "aux" or not experts.aux:
+            return 0.0
+        return c.moe_aux_weight * experts.aux_loss()
+
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """The ``bias`` balance's step: ``counts`` ``[L, E]`` are one optimizer step's assignments
+        per MoE layer and expert (every micro-batch and rank summed). Nothing for ``aux``."""
+        if self.config.moe_balance != "bias":
+            return
+        layers = self.moe_layers()
+        if counts.shape != (len(layers), self.config.moe_experts):
+            raise ValueError(f"counts of shape {tuple(counts.shape)}, expected ({len(layers)}, {self.config.moe_experts})")
+        for moe, layer_counts in zip(layers, counts):
+            moe.update_bias(layer_counts)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.config

@@ -129,6 +129,28 @@ def _fig_depth_weights(plt, name, analysis, path):
     plt.close(fig)
 
 
+def _fig_expert_load(plt, loads, path):
+    """One heatmap per design: MoE layers by experts, the fraction of assignments (1/E: even)."""
+    import numpy as np
+
+    layers, experts = np.asarray(loads[0][1]).shape
+    fig, axes = plt.subplots(1, len(loads), figsize=(1.0 + (1.2 + 0.3 * experts) * len(loads), 1.2 + 0.3 * layers),
+                             squeeze=False, constrained_layout=True)
+    vmax = max(2.0 / experts, max(float(np.max(load)) for _, load in loads))
+    for i, (ax, (name, load)) in enumerate(zip(axes[0], loads)):
+        im = ax.imshow(np.asarray(load), vmin=0, vmax=vmax, cmap="magma", aspect="auto")
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(range(experts))
+        ax.set_yticks(range(layers))
+        ax.set_xlabel("expert")
+        if i == 0:
+            ax.set_ylabel("MoE layer")
+    fig.colorbar(im, ax=axes[0, -1], fraction=0.08)
+    fig.suptitle("Expert load: fraction of top-k assignments, validation tokens", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _fig_per_depth(plt, designs, key, ylabel, title, path, logy=False):
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, runs in designs.items():
@@ -241,6 +263,18 @@ def _summary_lines(index, designs, results, unit) -> list[str]:
     return lines
 
 
+def _moe_text(m: dict) -> str:
+    """The MoE part of the model's description ('' for a dense model or an older config)."""
+    if not m.get("moe_experts"):
+        return ""
+    shared = f" + {m['moe_shared_experts']} shared" if m["moe_shared_experts"] else ""
+    balance = (f"balance loss x {m['moe_aux_weight']:g}" if m["moe_balance"] == "aux"
+               else f"bias balance, rate {m['moe_bias_rate']:g}")
+    capacity = f", capacity {m['moe_capacity']:g}" if m["moe_capacity"] else ""
+    return (f"; every MLP a mixture of {m['moe_experts']} experts{shared} of width {m['moe_hidden']}, "
+            f"top-{m['moe_top_k']}, {balance}{capacity}")
+
+
 def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     """(Re)build ``compare_dir/report.md``, its figures and ``results.json`` from the saved
     artifacts. ``baseline``: the design the others are compared with (default: the one the
@@ -266,7 +300,7 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         f"{first['config']['run']['seq_len']}) in the same order, from the same initial seed, and was "
         f"evaluated on the same {first['config']['run']['eval_batches']} validation batches.",
         f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
-        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}. Seeds: {', '.join(map(str, seeds))}. "
+        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}. Seeds: {', '.join(map(str, seeds))}. "
         f"Baseline: {baseline}. The numbers are also in `results.json`.",
         "",
         *_summary_lines(index, designs, results, unit),
@@ -303,6 +337,23 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
             fname = f"depth_weights_{name}.png"
             _fig_depth_weights(plt, name, analysis, compare_dir / fname)
             lines += [f"![{name} depth weights]({fname})", ""]
+
+    loads = [(n, rs[0]["analysis"]["expert_load"]) for n, rs in designs.items()
+             if rs[0]["analysis"] and rs[0]["analysis"].get("expert_load")]
+    if loads:
+        experts = len(loads[0][1][0])
+        lines += ["## Expert load", "",
+                  f"The fraction of top-{m['moe_top_k']} assignments each of the {experts} experts receives in each "
+                  f"layer, on the validation batch of the depth weights (1/{experts} = {1 / experts:.3f} is even). "
+                  "Imbalance is the most loaded expert's fraction times the number of experts (1.0: even), "
+                  "averaged over layers; the training log holds the same per step (`expert_load`).", "",
+                  "![expert load](expert_load.png)", "",
+                  "| design | imbalance (mean over layers) | most loaded | least loaded |", "|---|---|---|---|"]
+        for name, load in loads:
+            imbalance = sum(max(row) * len(row) for row in load) / len(load)
+            lines.append(f"| {name} | {imbalance:.3f} | {max(map(max, load)):.3f} | {min(map(min, load)):.3f} |")
+        lines.append("")
+        _fig_expert_load(plt, loads, compare_dir / "expert_load.png")
 
     fig, ax = _fig_per_depth(
         plt, designs, lambda r: (r["analysis"] or {}).get("read_rms"), "RMS (mean over tokens)",

@@ -1,9 +1,9 @@
-"""Identity-preserving conversion of a pretrained Llama, Mistral, Qwen2 or Qwen3 causal LM to
-Delta AttnRes (SPEC section 5).
+"""Identity-preserving conversion of a pretrained Llama, Mistral, Qwen2 or Qwen3 causal LM, or a
+Mixtral or Qwen3-MoE mixture-of-experts LM, to Delta AttnRes (SPEC section 5).
 
 The converted model keeps the source architecture's own modules (embeddings, attention with its
-head_dim, q/k norms, biases and rotary scaling, MLP, norms, head); attnres's delta stream routes
-around them. The stream's new parameters (pseudo-queries, key gains, null source, scalar gates)
+head_dim, q/k norms, biases and rotary scaling, MLP or sparse MoE block with its router and
+experts, norms, head); attnres's delta stream routes around them. The stream's new parameters (pseudo-queries, key gains, null source, scalar gates)
 start at zero and unit gains, so at step 0 the converted model computes exactly what the source
 computed; the base weights are untouched.
 
@@ -28,8 +28,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama import LlamaConfig, LlamaForCausalLM
 from transformers.models.mistral import MistralConfig, MistralForCausalLM
+from transformers.models.mixtral import MixtralConfig, MixtralForCausalLM
 from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..streams import DeltaAttnResStream
 
@@ -38,7 +40,12 @@ SOURCES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
+#: sources whose layers all take one mask: causal, or sliding-window when ``sliding_window`` is set
+#: (the others list each layer's kind in ``layer_types``)
+ONE_MASK = ("mistral", "mixtral", "qwen3_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
@@ -82,7 +89,7 @@ class DeltaRoutingForCausalLM:
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       cache=cache, position_ids=position_ids)
         n = self.config.num_hidden_layers
-        if self.config.model_type == "attnres_mistral":
+        if self.config.model_type.removeprefix("attnres_") in ONE_MASK:
             fn = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
             return [fn(**kwargs)] * n
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * n
@@ -176,7 +183,8 @@ def freeze_base(model) -> None:
 
 
 def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
-    """Convert a Llama/Mistral/Qwen2/Qwen3 causal LM (a model or a local path) to Delta AttnRes.
+    """Convert a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE causal LM (a model or a local path)
+    to Delta AttnRes.
 
     Returns the converted model, in the source's dtype, with the source's weights and
     zero-initialized routing.

@@ -103,6 +103,13 @@ def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     """Rank 0's decision for everyone (e.g. a signal received by one process)."""
     if not info.distributed:

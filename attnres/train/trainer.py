@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..model import Transformer, lm_loss, param_groups
+from ..moe import ExpertStats, expert_load
 from . import distributed as dist
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
@@ -72,6 +73,23 @@ def layer_grad_norms(model: Transformer) -> list[float]:
         sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in layer.parameters() if p.grad is not None)
         norms.append(math.sqrt(sq))
     return norms
+
+
+def expert_record(stats: list[ExpertStats], info: dist.DistInfo) -> tuple[torch.Tensor, dict]:
+    """One optimizer step's MoE routing from its micro-batches' ``stats``, summed over ranks:
+    the counts ``[L, E]`` (for the ``bias`` balance) and the log's fields: ``expert_load`` (the
+    fraction of assignments per expert, per MoE layer), ``expert_imbalance`` (the most loaded
+    expert's fraction times E, mean over layers; 1.0 is balanced), ``moe_aux_loss`` (the balance
+    loss before its weight) and, with a capacity, ``expert_dropped`` (the fraction dropped)."""
+    counts = dist.sum_across_ranks(torch.stack([s.load() for s in stats]).sum(0))
+    load = expert_load(counts)
+    record = dict(expert_load=[[round(float(f), 6) for f in row] for row in load],
+                  expert_imbalance=float((load.max(-1).values * load.shape[-1]).mean()),
+                  moe_aux_loss=float(dist.mean_across_ranks(torch.stack([s.aux_loss().detach() for s in stats]).mean())))
+    if stats[0].dropped:
+        dropped = dist.sum_across_ranks(torch.stack([torch.stack(s.dropped).sum() for s in stats]).sum())
+        record["expert_dropped"] = float(dropped / counts.sum())
+    return counts, record
 
 
 def accumulate_gradients(loss_of, x: torch.Tensor, y: torch.Tensor, grad_accum: int = 1,
@@ -174,9 +192,13 @@ class _Metrics:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
+            split, step = record["split"], record["step"]
             for k, v in record.items():
                 if k not in ("step", "tokens", "split") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{record['split']}/{k}", v, record["step"])
+                    self.tb.add_scalar(f"{split}/{k}", v, step)
+            for layer, load in enumerate(record.get("expert_load") or ()):
+                self.tb.add_scalars(f"{split}/expert_load/layer{layer}",
+                                    {f"expert{e}": f for e, f in enumerate(load)}, step)
 
     def close(self) -> None:
         if self.file:
@@ -294,6 +316,19 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
             save_checkpoint(ckpt_root, step, model_state, train_state)
         dist.barrier()
 
+    moe = bool(cfg.model.moe_experts)
+    step_stats: list[ExpertStats] = []  # the MoE routing of the current step's micro-batches
+    step_lm = torch.zeros((), device=info.device)  # an MoE step's loss without the balance loss
+
+    def loss_of(xs, ys):
+        if not moe:
+            return lm_loss(forward(xs), ys)
+        experts = ExpertStats()
+        step_stats.append(experts)
+        lm = lm_loss(forward(xs, experts=experts), ys)
+        step_lm.add_(lm.detach() / r.grad_accum)
+        return lm + model.moe_aux_loss(experts)
+
     step_time, val_loss, interrupted, last_loss = 0.0, None, False, float("nan")
     bar = _progress(r.steps, start_step, r.progress and info.is_main)
     model.train()
@@ -308,8 +343,12 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                 x = x[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
                 y = y[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss_sum = accumulate_gradients(lambda xs, ys: lm_loss(forward(xs), ys), x, y, r.grad_accum,
+                step_stats.clear()
+                step_lm.zero_()
+                loss_sum = accumulate_gradients(loss_of, x, y, r.grad_accum,
                                                 lambda k: micro_step(wrapped, k < r.grad_accum - 1, autocast))
+                if moe:  # the logged loss is the language model's; the balance loss is logged apart
+                    loss_sum = step_lm
                 last_loss = float(dist.mean_across_ranks(loss_sum))
                 if not math.isfinite(last_loss):
                     raise TrainingDiverged(
@@ -322,6 +361,9 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     grad_norm_sums = norms if grad_norm_sums is None else [a + b for a, b in zip(grad_norm_sums, norms)]
                     grad_norm_count += 1
                 optimizer.step()
+                if moe:
+                    counts, routing = expert_record(step_stats, info)
+                    model.update_expert_bias(counts)
                 step_time += time.perf_counter() - start
                 done = step + 1
                 if bar is not None:
@@ -330,7 +372,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                 if done % r.log_every == 0 or done == r.steps:
                     metrics.log(dict(split="train", step=done, tokens=done * tokens_per_step, loss=last_loss,
                                      lr=lr, grad_norm=grad_norm,
-                                     tokens_per_s=tokens_per_step * (done - start_step) / step_time))
+                                     tokens_per_s=tokens_per_step * (done - start_step) / step_time,
+                                     **(routing if moe else {})))
                 if done % r.eval_every == 0 or done == r.steps:
                     val_loss = evaluate(forward, corpus.val, cfg, info, autocast)
                     metrics.log(dict(split="val", step=done, tokens=done * tokens_per_step, val_loss=val_loss))
