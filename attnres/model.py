@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .moe import BALANCE, MoE, SwiGLU, ExpertStats
+from .moe import BALANCE, ExpertStats, MoE, SwiGLU
 from .streams import KINDS, MODEL_OPTIONS, STREAMS, Stream, Trace, build_stream
 
 

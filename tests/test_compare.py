@@ -143,6 +143,27 @@ def test_uneven_block_sizes_apply_to_every_block_design(tmp_path):
     assert [len(heat[str(site)]) for site in range(5)] == [1, 2, 3, 3, 3]  # e; e, B0; e, B0, P; ...; e, B0, B1
 
 
+def test_a_moe_comparison_reports_the_expert_load(tmp_path, capsys):
+    """The command of the MoE issue on the tiny budget: every design is the same MoE model; the
+    report shows the load per layer and expert, from the analysis of the validation batch."""
+    from attnres.cli import main
+
+    assert main(["compare", "--preset", "tiny", "--out", str(tmp_path), "--set", "run.steps=2",
+                 "--set", "run.eval_every=2", "--set", "run.progress=false", "--designs", "prenorm", "block",
+                 "--set", "model.moe_experts=4", "--set", "model.moe_top_k=2"]) in (0, None)
+    report = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    text = report.read_text()
+    assert "every MLP a mixture of 4 experts of width 96, top-2, balance loss x 0.01" in text
+    assert "## Expert load" in text and (report.parent / "expert_load.png").read_bytes()[:4] == b"\x89PNG"
+    for design in ("prenorm", "block"):
+        load = json.loads((report.parent / design / "analysis.json").read_text())["expert_load"]
+        assert len(load) == 2 and all(len(row) == 4 and abs(sum(row) - 1) < 1e-6 for row in load)
+        imbalance = sum(max(row) * 4 for row in load) / 2
+        assert re.search(rf"^\| {design} \| {imbalance:.3f} \|", text, flags=re.M)
+        rows = [json.loads(line) for line in (report.parent / design / "metrics.jsonl").read_text().splitlines()]
+        assert all("expert_load" in r for r in rows if r["split"] == "train")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--designs", "prenorm", "mhc", "--set", "model.num_blocks=2"],
      r"model.num_blocks=2 applies to none of the designs \['prenorm', 'mhc'\]; it is an option of \['block', 'delta'\]"),

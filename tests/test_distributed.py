@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 COMMON = ["--preset", "tiny", "--set", "model.residual=block", "--set", "run.steps=5",
           "--set", "run.log_every=1", "--set", "run.progress=false", "--set", "run.tensorboard=false",
@@ -47,6 +48,33 @@ def test_two_ranks_match_one_process(single, tmp_path, parallel):
 
     weights, _ = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     assert weights["tok_embeddings.weight"].shape == (256, 32)
+
+
+MOE = ["--set", "model.moe_experts=4", "--set", "model.moe_balance=bias", "--set", "model.moe_bias_rate=0.01",
+       "--set", "model.moe_capacity=1.0"]
+
+
+def test_moe_under_ddp_matches_one_process_with_the_same_micro_batches(tmp_path):
+    """Two ranks of half the batch each against one process with two micro-batches of that size
+    (the capacity counts a forward's tokens): the same losses, expert load and balance bias, the
+    load summed over ranks as over micro-batches."""
+    run([sys.executable, "-m", "attnres", "train", *COMMON, *MOE, "--set", "run.grad_accum=2",
+         "--run-dir", str(tmp_path / "single")], tmp_path)
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
+         "train", *COMMON, *MOE, "--run-dir", str(tmp_path / "ddp")], tmp_path)
+    rows = {}
+    for name in ("single", "ddp"):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        rows[name] = [json.loads(line) for line in lines if '"split": "train"' in line]
+    assert len(rows["ddp"]) == len(rows["single"]) == 5
+    for a, b in zip(rows["ddp"], rows["single"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+        assert a["expert_load"] == b["expert_load"] and a["expert_dropped"] == b["expert_dropped"]
+    from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    bias = [load_checkpoint(latest_checkpoint(tmp_path / name / "checkpoints"))[0]["layers.1.mlp.expert_bias"]
+            for name in ("single", "ddp")]
+    assert bias[0].abs().sum() > 0 and torch.equal(bias[0], bias[1])
 
 
 def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):

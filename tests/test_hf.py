@@ -28,6 +28,13 @@ def source_model(kind, **overrides):
         "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True, **overrides),
         "qwen2": lambda: transformers.Qwen2Config(**SMALL, **overrides),
         "mistral": lambda: transformers.MistralConfig(**SMALL, **overrides),
+        "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                      **overrides),
+        # unnormalized top-k weights, MoE on every second layer (a dense MLP between): both of
+        # Qwen3-MoE's own options
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=48, norm_topk_prob=False,
+                                                         decoder_sparse_step=2, tie_word_embeddings=True, **overrides),
     }
     model = AutoModelForCausalLM.from_config(cfgs[kind]())
     with torch.no_grad():  # non-trivial norm gains, so that a norm applied twice or skipped would show
@@ -41,7 +48,7 @@ def ids(b=2, t=20, seed=0):
     return torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "mixtral", "qwen3_moe"])
 def test_conversion_is_exact_in_fp32(kind):
     src = source_model(kind)
     conv = convert(src, heads=4, block_layers=2)
@@ -156,7 +163,7 @@ def test_full_finetune_lowers_the_loss():
 def test_unsupported_models_are_refused():
     bert = transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match=r"cannot convert model_type='bert'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"cannot convert model_type='bert'.*\['llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         convert(bert)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="cannot convert model_type='gpt2'"):
@@ -206,7 +213,7 @@ def own_loglikelihood(model, context: str, continuation: str) -> float:
     return float(sum(logp[len(ctx) - 1 + k, t] for k, t in enumerate(cont)))
 
 
-@pytest.mark.parametrize("kind", ["native", "converted"])
+@pytest.mark.parametrize("kind", ["native", "converted", "converted-moe"])
 def test_lm_eval_loglikelihoods_match_the_model(kind, task_dir, tmp_path):
     pytest.importorskip("lm_eval")
     if kind == "native":
@@ -214,7 +221,7 @@ def test_lm_eval_loglikelihoods_match_the_model(kind, task_dir, tmp_path):
         model = AttnResForCausalLM(AttnResConfig.from_model_config(ModelConfig(
             vocab_size=256, dim=32, n_layers=2, n_heads=2, residual="full", max_seq_len=128)))
     else:
-        model = convert(source_model("llama"), heads=4, block_layers=2)
+        model = convert(source_model("llama" if kind == "converted" else "mixtral"), heads=4, block_layers=2)
     model.save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
     from attnres.hf.evaluate import evaluate
@@ -354,3 +361,29 @@ def test_uneven_blocks_convert_exactly_and_round_trip(tmp_path):
     assert not torch.allclose(loaded(input_ids=x).logits, equal(input_ids=x).logits)
     assert torch.equal(loaded.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False),
                        loaded.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False, use_cache=False))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_models_convert_save_load_and_generate_as_their_source(kind, tmp_path):
+    """A tiny Mixtral or Qwen3-MoE saved as a Hugging Face folder, converted by the command:
+    loaded back it computes the source's logits exactly and generates its greedy tokens, with
+    the cache and without; off the zero init the routing changes the logits."""
+    src = source_model(kind)
+    src.save_pretrained(tmp_path / "src")
+    byte_tokenizer().save_pretrained(tmp_path / "src")
+    from attnres.cli import main
+
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--heads", "4", "--block-layers", "1,3"]) in (0, None)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst")).eval()
+    assert type(loaded).__name__ == f"AttnRes{type(src).__name__}"
+    assert loaded.routing.block_sizes == (2, 6)
+    x = ids()
+    assert torch.equal(loaded(input_ids=x).logits, src(input_ids=x).logits)
+    prompt = ids(b=1, t=6)
+    expected = src.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=10, do_sample=False), expected)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False), expected)
+    with torch.no_grad():
+        loaded.routing.gates.fill_(0.5)
+        loaded.routing.pseudo_queries.normal_(generator=torch.Generator().manual_seed(0))
+    assert (loaded(input_ids=x).logits - src(input_ids=x).logits).abs().max() > 1e-3

@@ -178,8 +178,18 @@ def test_training_logs_the_expert_load_and_moves_the_bias(tmp_path, balance):
     cfg = tiny()
     for a in ("model.moe_experts=4", f"model.moe_balance={balance}", "model.moe_capacity=1.0"):
         cfg = apply_override(cfg, a)
-    cfg = replace(cfg, run=replace(cfg.run, steps=4, log_every=1, grad_accum=2, progress=False, tensorboard=False))
+    cfg = replace(cfg, run=replace(cfg.run, steps=4, log_every=1, grad_accum=2, progress=False,
+                                   tensorboard=balance == "aux"))
     result = train(cfg, tmp_path)
+    if balance == "aux":  # TensorBoard holds the same load, one scalar per layer and expert
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-2])  # step 4's train row
+        assert [e.value for e in events.Scalars("train/expert_load/layer1/expert2")][-1] == pytest.approx(
+            last["expert_load"][1][2], abs=1e-6)
+        assert len(events.Scalars("train/expert_imbalance")) == 4
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["split"] == "train"]
     assert len(train_rows) == 4

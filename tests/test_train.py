@@ -318,14 +318,18 @@ def test_a_corrupt_run_config_is_named(tmp_path):
         assert proc.returncode == 2 and f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("design", ["prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr"])
+@pytest.mark.parametrize("design", ["prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr", "block+moe"])
 def test_every_design_trains_bit_for_bit_the_same_twice_and_across_a_resume(tmp_path, corpus, design):
     """The same config and seed on the same machine logs the same losses, bit for bit: twice
-    straight, and once more resumed from its checkpoint at step 2."""
+    straight, and once more resumed from its checkpoint at step 2. ``+moe``: with MoE MLPs, the
+    balance bias (state that the checkpoint must carry) and a capacity that drops tokens."""
     from attnres.train.compare import design_config
 
     base = quiet(tiny(), steps=4, log_every=1, eval_every=2, ckpt_every=2)
-    cfg = replace(base, model=design_config(base.model, design))
+    model = design_config(base.model, design.removesuffix("+moe"))
+    if design.endswith("+moe"):
+        model = replace(model, moe_experts=4, moe_balance="bias", moe_bias_rate=0.01, moe_capacity=1.0)
+    cfg = replace(base, model=model)
     for name in ("first", "second"):
         train(cfg, tmp_path / name, corpus=corpus)
     train(cfg, tmp_path / "resumed", corpus=corpus)  # then back to its checkpoint at step 2, as after a crash

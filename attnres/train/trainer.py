@@ -197,8 +197,8 @@ class _Metrics:
                 if k not in ("step", "tokens", "split") and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{split}/{k}", v, step)
             for layer, load in enumerate(record.get("expert_load") or ()):
-                self.tb.add_scalars(f"{split}/expert_load/layer{layer}",
-                                    {f"expert{e}": f for e, f in enumerate(load)}, step)
+                for expert, fraction in enumerate(load):
+                    self.tb.add_scalar(f"{split}/expert_load/layer{layer}/expert{expert}", fraction, step)
 
     def close(self) -> None:
         if self.file:
