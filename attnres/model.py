@@ -108,23 +108,41 @@ class ModelConfig:
     def _check_moe(self) -> None:
         """The ``moe_*`` options: in range, and set only for an MoE model (nothing ignored)."""
         defaults = {f: type(self).__dataclass_fields__[f].default for f in MOE_FIELDS}
-        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
-            raise ValueError(f"moe_experts={self.moe_experts!r} must be an integer >= 0 (0: a dense MLP)")
+
+        def count(name, low, none=False):
+            value = getattr(self, name)
+            if not (none and value is None) and (type(value) is not int or value < low):
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}{' or None' if none else ''}")
+
+        def amount(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+        count("moe_experts", 0)
         if self.moe_experts == 0:
             given = [f"{f}={getattr(self, f)!r}" for f in MOE_FIELDS[1:] if getattr(self, f) != defaults[f]]
             if given:
                 raise ValueError(f"{', '.join(given)} applies to mixture-of-experts models only: set "
                                  f"moe_experts > 0 (with --set, before it)")
             return
-        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+        count("moe_top_k", 1)
+        if self.moe_top_k > self.moe_experts:
             raise ValueError(f"moe_top_k={self.moe_top_k!r} must be an integer in [1, moe_experts={self.moe_experts}]")
+        count("moe_shared_experts", 0)
+        count("moe_hidden", 1, none=True)
+        for name in ("moe_aux_weight", "moe_bias_rate", "moe_capacity"):
+            amount(name)
         if self.moe_balance not in BALANCE:
             raise ValueError(f"moe_balance={self.moe_balance!r} is not one of {BALANCE}")
         unused = {"aux": "moe_bias_rate", "bias": "moe_aux_weight"}[self.moe_balance]
         if getattr(self, unused) != defaults[unused]:
             raise ValueError(f"{unused}={getattr(self, unused)!r} does not apply to moe_balance={self.moe_balance!r}")
-        if self.moe_hidden is None:
-            self.moe_hidden = self.ffn_dim
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's hidden width: ``moe_hidden``, or ``ffn_dim`` when not given."""
+        return self.moe_hidden or self.ffn_dim
 
     @property
     def num_sublayers(self) -> int:
@@ -212,7 +230,7 @@ def mlp(config: ModelConfig) -> nn.Module:
     """The MLP sublayer: a SwiGLU of width ``ffn_dim``, or a mixture of experts."""
     if not config.moe_experts:
         return SwiGLU(config.dim, config.ffn_dim)
-    return MoE(config.dim, config.moe_experts, config.moe_top_k, config.moe_hidden,
+    return MoE(config.dim, config.moe_experts, config.moe_top_k, config.expert_hidden,
                shared_experts=config.moe_shared_experts, balance=config.moe_balance,
                bias_rate=config.moe_bias_rate, capacity=config.moe_capacity)
 

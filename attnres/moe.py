@@ -2,9 +2,9 @@
 
 For tokens ``x`` ``[N, D]`` (batch and time flattened) and ``E`` routed experts::
 
-    p = softmax(x W_r^T)                          [N, E]   router probabilities (at least fp32)
+    p = softmax(x W_r^T)                          [N, E]   router probabilities (at least fp32, no autocast)
     S = top_k(p + b)                              [N, k]   chosen experts (b: balance bias, 0 for "aux")
-    g = p[S] / sum(p[S])  (or p[S] unnormalized)  [N, k]   gate weights
+    g = p[S] / sum(p[S])  (top-1: g = p[S])       [N, k]   gate weights
     y = shared(x) + sum_j g_j * expert_{S_j}(x)            expert_e(x) = w2_e (silu(w1_e x) * w3_e x)
 
 Two ways keep the experts in use:
@@ -22,9 +22,13 @@ forward in training, first come first served in token order (token ``n`` before 
 ``j`` before ``j + 1`` within a token); a dropped assignment adds nothing. Evaluation and
 generation drop nothing, so a token's output does not depend on the other tokens of its batch.
 
-``MoE.forward`` dispatches sorted by expert (one stable sort, one gather, one matmul per expert
+Top-1 routing keeps ``p`` unnormalized (Switch Transformer): normalized, its one weight would be
+1 and the router would get no gradient from the language-model loss.
+
+``MoE.forward`` dispatches sorted by expert (one stable sort, one gather, one SwiGLU per expert
 over a contiguous group, one un-sort); ``moe_naive`` is its per-expert loop twin, the reference
-the tests compare it with (forward and gradients).
+the tests compare it with (forward and gradients). Under ``torch.compile`` an MoE sublayer runs
+eagerly: its groups have data-dependent sizes.
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ class ExpertStats:
     aux: list[torch.Tensor] = field(default_factory=list)
 
     def aux_loss(self) -> torch.Tensor:
-        """The mean of the layers' balance losses (0 when nothing was recorded)."""
+        """The mean of the layers' balance losses (call it after a forward that recorded some)."""
         if not self.aux:
-            return torch.zeros(())
+            raise ValueError("no MoE layer recorded a balance loss: pass this ExpertStats to a forward first")
         return torch.stack(self.aux).mean()
 
     def load(self) -> torch.Tensor:
@@ -66,7 +70,7 @@ def expert_load(counts: torch.Tensor) -> torch.Tensor:
     return counts / counts.sum(-1, keepdim=True).clamp_min(1)
 
 
-def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU ``w2 (silu(w1 x) * w3 x)`` for ``x`` ``[n, D]``, ``w1``/``w3``
     ``[H, D]``, ``w2`` ``[D, H]``."""
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
@@ -75,7 +79,10 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 def capacity_of(capacity: float, assignments: int, experts: int) -> int | None:
     """Assignments an expert takes per forward: ``ceil(capacity * assignments / experts)``, or
     None (no limit) for ``capacity == 0``."""
-    return math.ceil(capacity * assignments / experts) if capacity > 0 else None
+    if not capacity >= 0 or math.isinf(capacity):
+        raise ValueError(f"capacity={capacity} must be a finite number >= 0 (0: no limit)")
+    # rounded first, so that a share that is whole up to float error (1.1 * 100 / 11) is not lifted
+    return math.ceil(round(capacity * assignments / experts, 9)) if capacity > 0 else None
 
 
 class MoE(nn.Module):
@@ -90,6 +97,7 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
+        capacity_of(capacity, 1, 1)  # refuses a negative or non-finite capacity
         if balance not in BALANCE:
             raise ValueError(f"balance={balance!r} is not one of {BALANCE}")
         self.experts, self.top_k, self.hidden = experts, top_k, hidden
@@ -106,12 +114,14 @@ class MoE(nn.Module):
         """Router probabilities ``[N, E]`` (fp32, or fp64 for fp64 inputs), chosen experts
         ``[N, k]`` and gate weights ``[N, k]`` for ``x`` ``[N, D]``; records the counts and the
         balance loss."""
-        logits = self.gate(x)
-        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):  # choices from full-precision logits
+            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
+        probs = torch.softmax(logits, dim=-1)
         choice = probs + self.expert_bias if self.balance == "bias" else probs
         chosen = choice.topk(self.top_k, dim=-1).indices
         weights = probs.gather(1, chosen)
-        if self.normalize_top_k:
+        if self.normalize_top_k and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
         if stats is not None:
             counts = torch.bincount(chosen.flatten(), minlength=self.experts).to(probs.dtype)
@@ -123,6 +133,7 @@ class MoE(nn.Module):
     def _capacity(self, assignments: int) -> int | None:
         return capacity_of(self.capacity, assignments, self.experts) if self.training else None
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, stats: ExpertStats | None = None) -> torch.Tensor:
         """``x`` ``[..., D]`` -> ``[..., D]``, dispatched sorted by expert."""
         shape = x.shape
@@ -131,19 +142,18 @@ class MoE(nn.Module):
         _, chosen, weights = self.route(x, stats)
         flat = chosen.flatten()  # [N*k], assignment a = token a // k, slot a % k
         order = torch.argsort(flat, stable=True)  # grouped by expert, token order within a group
-        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        group_sizes = torch.bincount(flat, minlength=self.experts)
+        counts = group_sizes.tolist()  # the one host sync: the groups' sizes
         limit = self._capacity(N * k)
         gathered = x[order // k]  # [N*k, D]
         outputs = []
         for e, group in enumerate(gathered.split(counts)):
             kept = group[:limit]  # a group is in token order: the first `limit` are kept
-            # an expert without tokens still runs (on none), so every parameter is in the graph:
-            # DDP expects a gradient for each
-            outputs.append(swiglu_experts(kept, self.w1[e], self.w3[e], self.w2[e]))
+            outputs.append(expert_swiglu(kept, self.w1[e], self.w3[e], self.w2[e]))
             if kept.shape[0] < group.shape[0]:
                 outputs.append(group.new_zeros(group.shape[0] - kept.shape[0], group.shape[1]))
         if stats is not None and limit is not None:
-            stats.dropped.append(torch.tensor(float(sum(max(0, c - limit) for c in counts))))
+            stats.dropped.append((group_sizes - limit).clamp_min(0).sum().to(torch.float32))
         y_sorted = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # back to assignment order
         y = y.view(N, k, -1).sum(1)
@@ -166,18 +176,18 @@ def moe_naive(moe: MoE, x: torch.Tensor, stats: ExpertStats | None = None) -> to
     _, chosen, weights = moe.route(x, stats)
     limit = moe._capacity(N * k)
     y = torch.zeros_like(x)
-    dropped = 0
+    dropped = torch.zeros((), device=x.device)
     for e in range(moe.experts):
         mask = chosen == e  # [N, k]; a token chooses an expert at most once
         if limit is not None:  # the first `limit` assignments in token, then slot, order
             kept = mask & (mask.flatten().cumsum(0) <= limit).view(N, k)
-            dropped += int(mask.sum() - kept.sum())
+            dropped = dropped + (mask.sum() - kept.sum())
             mask = kept
         rows, slots = mask.nonzero(as_tuple=True)
-        out = swiglu_experts(x[rows], moe.w1[e], moe.w3[e], moe.w2[e])
+        out = expert_swiglu(x[rows], moe.w1[e], moe.w3[e], moe.w2[e])
         y = y.index_add(0, rows, out * weights[rows, slots, None].to(x.dtype))
     if stats is not None and limit is not None:
-        stats.dropped.append(torch.tensor(float(dropped)))
+        stats.dropped.append(dropped.to(torch.float32))
     if moe.shared is not None:
         y = y + moe.shared(x)
     return y.view(shape)

@@ -1,12 +1,17 @@
 """Inference latency of the reference LM for each residual design, against PreNorm.
 
-Prefill: batch 1, a 1024-token prompt, one forward (no_grad). Decode: batch 1, 128 tokens
-generated one at a time after a 1024-token prompt, with the KV cache (the residual state is per
-token, so nothing else is cached). Same model as benchmarks/train_step.py; ratios per round
-against ``prenorm`` in the same run.
+Prefill: batch 1, a 1024-token prompt, one forward (no_grad). Decode: batch 1 and 8 (``--batch``),
+128 tokens generated one at a time after a 1024-token prompt, with the KV cache (the residual
+state is per token, so nothing else is cached). Same model as benchmarks/train_step.py; ratios
+per round against ``prenorm`` in the same run.
+
+``--hf``: a Llama of the same shapes (``transformers``, random weights) and its Delta AttnRes
+conversion (``attnres convert``'s model: 8 heads, blocks of 2 layers), greedy ``generate`` with
+the Hugging Face cache, batch 1, a 256-token prompt and 64 new tokens; ratio per round against
+the source model.
 
     python benchmarks/inference.py
-    python benchmarks/inference.py --variants prenorm block mhar --rounds 7
+    python benchmarks/inference.py --variants prenorm block mhar --rounds 7 --hf
     python benchmarks/inference.py --revisions 7483a66   # and the same variants at a git revision (block@REV)
 
 glibc's malloc makes prefill timings depend on its heap state (see docs/BENCHMARKS.md); to time
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +38,7 @@ from common import (  # noqa: E402
     interleaved,
     machine,
     print_table,
+    ratio_summary,
     ratio_to_own_baseline,
     split_variant,
     with_revisions,
@@ -58,16 +65,45 @@ def build(variant, prompt_len, new_tokens):
         model(prompt)
 
     @torch.no_grad()
-    def decode():
-        cache = model.new_cache(1, prompt_len + new_tokens)
-        model(prompt, cache=cache, start_pos=0)
-        token = prompt[:, -1:]
-        start = __import__("time").perf_counter()
+    def decode(batch: int = 1):
+        prompts = prompt.expand(batch, -1)
+        cache = model.new_cache(batch, prompt_len + new_tokens)
+        model(prompts, cache=cache, start_pos=0)
+        token = prompts[:, -1:]
+        start = time.perf_counter()
         for t in range(new_tokens):
             token = model(token, cache=cache, start_pos=prompt_len + t)[:, -1].argmax(-1, keepdim=True)
-        return __import__("time").perf_counter() - start
+        return time.perf_counter() - start
 
     return prefill, decode
+
+
+def hf_generate_calls(prompt_len: int = 256, new_tokens: int = 64) -> dict:
+    """Greedy ``generate`` of a Llama shaped like ``SIZES`` and of its conversion; each call
+    returns its seconds per generated token."""
+    import transformers
+
+    from attnres.hf import convert
+
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=SIZES["vocab_size"], hidden_size=SIZES["dim"], intermediate_size=SIZES["ffn_dim"],
+        num_hidden_layers=SIZES["n_layers"], num_attention_heads=SIZES["n_heads"],
+        num_key_value_heads=SIZES["n_kv_heads"], max_position_embeddings=prompt_len + new_tokens)).eval()
+    converted = convert(source, heads=8, block_layers=2).eval()
+    with torch.no_grad():  # live routing, as after some training
+        converted.routing.pseudo_queries.normal_(0, 0.02)
+    prompt = torch.randint(0, SIZES["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+
+    def timed(model):
+        def call():
+            start = time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            assert out.shape[1] == prompt_len + new_tokens
+            return (time.perf_counter() - start) / new_tokens
+        return call
+
+    return {"hf-llama": timed(source), "hf-llama-attnres": timed(converted)}
 
 
 def main():
@@ -76,29 +112,53 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default: 1 8)")
+    p.add_argument("--hf", action="store_true", help="also time a converted Llama's generate against its source")
     p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
                    help="also run every variant on the package at these git revisions")
+    p.add_argument("--csv", help="name of the results file under benchmarks/results/ (default: inference, "
+                                 "inference_malloc_fixed with the thresholds fixed, then @REV for each revision)")
     args = p.parse_args()
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
     variants = with_revisions(variants, args.revisions)
     print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
     pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
-    dec_times = {v: [] for v in variants}
-    for _ in range(max(2, args.rounds // 2)):  # decode timing excludes the prefill inside it
-        for v, b in built.items():
-            dec_times[v].append(b[1]())
-    dec = ratio_to_own_baseline(dec_times, "prenorm")
-    rows = [
-        dict(variant=v, prefill_ms=1000 * pre[v]["median_s"], prefill_vs_prenorm=pre[v]["ratio"],
-             prefill_spread=f"{pre[v]['ratio_min']:.3f}..{pre[v]['ratio_max']:.3f}",
-             decode_ms_per_token=1000 * dec[v]["median_s"] / args.new_tokens, decode_vs_prenorm=dec[v]["ratio"],
-             decode_spread=f"{dec[v]['ratio_min']:.3f}..{dec[v]['ratio_max']:.3f}")
-        for v in variants
-    ]
+    dec = {}
+    for batch in args.batch:
+        dec_times = {v: [] for v in variants}
+        for _ in range(max(2, args.rounds // 2)):  # decode timing excludes the prefill inside it
+            for v, b in built.items():
+                dec_times[v].append(b[1](batch))
+        dec[batch] = ratio_to_own_baseline(dec_times, "prenorm")
+    rows = []
+    for v in variants:
+        row = dict(variant=v, prefill_ms=1000 * pre[v]["median_s"], prefill_vs_prenorm=pre[v]["ratio"],
+                   prefill_spread=f"{pre[v]['ratio_min']:.3f}..{pre[v]['ratio_max']:.3f}")
+        for batch, d in dec.items():
+            suffix = "" if batch == 1 else f"_b{batch}"
+            row |= {f"decode_ms_per_token{suffix}": 1000 * d[v]["median_s"] / args.new_tokens,
+                    f"decode_vs_prenorm{suffix}": d[v]["ratio"],
+                    f"decode_spread{suffix}": f"{d[v]['ratio_min']:.3f}..{d[v]['ratio_max']:.3f}"}
+        rows.append(row)
     print_table(rows, list(rows[0]))
     name = "inference" if allocator() == "malloc defaults" else "inference_malloc_fixed"
-    write_csv(name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
+    name = args.csv or name + "".join(f"@{rev}" for rev in args.revisions or ())
+    write_csv(name, rows)
+    if args.hf:
+        del built
+        calls = hf_generate_calls()
+        for call in calls.values():  # warm-up
+            call()
+        per_token = {v: [] for v in calls}
+        for _ in range(args.rounds):
+            for v, call in calls.items():
+                per_token[v].append(call())
+        summary = ratio_summary(per_token, "hf-llama")
+        hf_rows = [dict(variant=v, generate_ms_per_token=1000 * s["median_s"], vs_source=s["ratio"],
+                        spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}") for v, s in summary.items()]
+        print_table(hf_rows, list(hf_rows[0]))
+        write_csv(f"{name}_hf", hf_rows)
 
 
 if __name__ == "__main__":

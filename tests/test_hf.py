@@ -387,3 +387,18 @@ def test_moe_models_convert_save_load_and_generate_as_their_source(kind, tmp_pat
         loaded.routing.gates.fill_(0.5)
         loaded.routing.pseudo_queries.normal_(generator=torch.Generator().manual_seed(0))
     assert (loaded(input_ids=x).logits - src(input_ids=x).logits).abs().max() > 1e-3
+
+
+def test_a_native_moe_model_round_trips_with_its_balance_bias(tmp_path):
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, residual="block", num_blocks=2, max_seq_len=64,
+                     moe_experts=4, moe_balance="bias")
+    model = AttnResForCausalLM(AttnResConfig.from_model_config(mc)).eval()
+    with torch.no_grad():  # a bias that changes which experts are chosen: it must travel with the weights
+        model.model.layers[0].mlp.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert torch.equal(loaded.model.layers[0].mlp.expert_bias, model.model.layers[0].mlp.expert_bias)
+    x = ids(b=1, t=10)
+    assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+    assert torch.equal(loaded.generate(x, max_new_tokens=8, do_sample=False), model.model.generate(x, 8))

@@ -271,7 +271,7 @@ def _moe_text(m: dict) -> str:
     balance = (f"balance loss x {m['moe_aux_weight']:g}" if m["moe_balance"] == "aux"
                else f"bias balance, rate {m['moe_bias_rate']:g}")
     capacity = f", capacity {m['moe_capacity']:g}" if m["moe_capacity"] else ""
-    return (f"; every MLP a mixture of {m['moe_experts']} experts{shared} of width {m['moe_hidden']}, "
+    return (f"; every MLP a mixture of {m['moe_experts']} experts{shared} of width {m['moe_hidden'] or m['ffn_dim']}, "
             f"top-{m['moe_top_k']}, {balance}{capacity}")
 
 

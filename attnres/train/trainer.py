@@ -75,13 +75,18 @@ def layer_grad_norms(model: Transformer) -> list[float]:
     return norms
 
 
-def expert_record(stats: list[ExpertStats], info: dist.DistInfo) -> tuple[torch.Tensor, dict]:
-    """One optimizer step's MoE routing from its micro-batches' ``stats``, summed over ranks:
-    the counts ``[L, E]`` (for the ``bias`` balance) and the log's fields: ``expert_load`` (the
-    fraction of assignments per expert, per MoE layer), ``expert_imbalance`` (the most loaded
-    expert's fraction times E, mean over layers; 1.0 is balanced), ``moe_aux_loss`` (the balance
-    loss before its weight) and, with a capacity, ``expert_dropped`` (the fraction dropped)."""
-    counts = dist.sum_across_ranks(torch.stack([s.load() for s in stats]).sum(0))
+def step_counts(stats: list[ExpertStats]) -> torch.Tensor:
+    """One optimizer step's assignments per MoE layer and expert ``[L, E]``, summed over its
+    micro-batches' ``stats`` and over ranks."""
+    return dist.sum_across_ranks(torch.stack([s.load() for s in stats]).sum(0))
+
+
+def expert_record(stats: list[ExpertStats], counts: torch.Tensor) -> dict:
+    """The log's MoE fields for one optimizer step (``counts`` from ``step_counts``):
+    ``expert_load`` (the fraction of assignments per expert, per MoE layer),
+    ``expert_imbalance`` (the most loaded expert's fraction times E, mean over layers; 1.0 is
+    balanced), ``moe_aux_loss`` (the balance loss before its weight) and, with a capacity,
+    ``expert_dropped`` (the fraction of assignments dropped)."""
     load = expert_load(counts)
     record = dict(expert_load=[[round(float(f), 6) for f in row] for row in load],
                   expert_imbalance=float((load.max(-1).values * load.shape[-1]).mean()),
@@ -89,7 +94,7 @@ def expert_record(stats: list[ExpertStats], info: dist.DistInfo) -> tuple[torch.
     if stats[0].dropped:
         dropped = dist.sum_across_ranks(torch.stack([torch.stack(s.dropped).sum() for s in stats]).sum())
         record["expert_dropped"] = float(dropped / counts.sum())
-    return counts, record
+    return record
 
 
 def accumulate_gradients(loss_of, x: torch.Tensor, y: torch.Tensor, grad_accum: int = 1,
@@ -361,15 +366,17 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     grad_norm_sums = norms if grad_norm_sums is None else [a + b for a, b in zip(grad_norm_sums, norms)]
                     grad_norm_count += 1
                 optimizer.step()
-                if moe:
-                    counts, routing = expert_record(step_stats, info)
-                    model.update_expert_bias(counts)
-                step_time += time.perf_counter() - start
                 done = step + 1
+                logging = done % r.log_every == 0 or done == r.steps
+                if moe and (logging or cfg.model.moe_balance == "bias"):
+                    counts = step_counts(step_stats)
+                    model.update_expert_bias(counts)  # nothing for the "aux" balance
+                    routing = expert_record(step_stats, counts) if logging else {}
+                step_time += time.perf_counter() - start
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step * (done - start_step) / step_time:.0f}")
-                if done % r.log_every == 0 or done == r.steps:
+                if logging:
                     metrics.log(dict(split="train", step=done, tokens=done * tokens_per_step, loss=last_loss,
                                      lr=lr, grad_norm=grad_norm,
                                      tokens_per_s=tokens_per_step * (done - start_step) / step_time,
