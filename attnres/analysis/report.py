@@ -342,9 +342,11 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
              if rs[0]["analysis"] and rs[0]["analysis"].get("expert_load")]
     if loads:
         experts = len(loads[0][1][0])
+        seed = f" (seed {next(iter(designs.values()))[0]['seed']})" if len(seeds) > 1 else ""
         lines += ["## Expert load", "",
                   f"The fraction of top-{m['moe_top_k']} assignments each of the {experts} experts receives in each "
-                  f"layer, on the validation batch of the depth weights (1/{experts} = {1 / experts:.3f} is even). "
+                  f"layer of the trained model{seed}, on the validation batch of the depth weights "
+                  f"(1/{experts} = {1 / experts:.3f} is even). "
                   "Imbalance is the most loaded expert's fraction times the number of experts (1.0: even), "
                   "averaged over layers; the training log holds the same per step (`expert_load`).", "",
                   "![expert load](expert_load.png)", "",
