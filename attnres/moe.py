@@ -110,6 +110,12 @@ class MoE(nn.Module):
         self.shared = SwiGLU(dim, shared_experts * hidden) if shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(experts))
 
+    def _apply(self, fn, recurse=True):
+        # the bias stays fp32 when the model is cast: in bf16, steps of 1e-3 are lost once |b| > 0.25
+        super()._apply(fn, recurse)
+        self.expert_bias = self.expert_bias.float()
+        return self
+
     def route(self, x: torch.Tensor, stats: ExpertStats | None = None):
         """Router probabilities ``[N, E]`` (fp32, or fp64 for fp64 inputs), chosen experts
         ``[N, k]`` and gate weights ``[N, k]`` for ``x`` ``[N, D]``; records the counts and the

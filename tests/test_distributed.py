@@ -54,14 +54,22 @@ MOE = ["--set", "model.moe_experts=4", "--set", "model.moe_balance=bias", "--set
        "--set", "model.moe_capacity=1.0"]
 
 
-def test_moe_under_ddp_matches_one_process_with_the_same_micro_batches(tmp_path):
+@pytest.fixture(scope="module")
+def single_moe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single_moe")
+    run([sys.executable, "-m", "attnres", "train", *COMMON, *MOE, "--set", "run.grad_accum=2",
+         "--run-dir", str(tmp / "single")], tmp)
+    return tmp / "single"
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_moe_on_two_ranks_matches_one_process_with_the_same_micro_batches(single_moe, tmp_path, parallel):
     """Two ranks of half the batch each against one process with two micro-batches of that size
     (the capacity counts a forward's tokens): the same losses, expert load and balance bias, the
     load summed over ranks as over micro-batches."""
-    run([sys.executable, "-m", "attnres", "train", *COMMON, *MOE, "--set", "run.grad_accum=2",
-         "--run-dir", str(tmp_path / "single")], tmp_path)
+    (tmp_path / "single").symlink_to(single_moe)
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
-         "train", *COMMON, *MOE, "--run-dir", str(tmp_path / "ddp")], tmp_path)
+         "train", *COMMON, *MOE, "--set", f"run.parallel={parallel}", "--run-dir", str(tmp_path / "ddp")], tmp_path)
     rows = {}
     for name in ("single", "ddp"):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()

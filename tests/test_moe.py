@@ -120,6 +120,12 @@ def test_the_bias_chooses_experts_but_not_their_weights():
     m.bias_rate = 0.1
     m.update_bias(torch.tensor([3.0, 1.0, 2.0, 2.0]))  # mean 2: over-loaded down, under-loaded up
     assert m.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+    # a bf16 model keeps an fp32 bias, whose small steps still add up past 0.25
+    m = MoE(D, E, 2, H, balance="bias").to(torch.bfloat16)
+    for _ in range(400):
+        m.update_bias(torch.tensor([5.0, 1.0, 1.0, 1.0]))
+    assert m.expert_bias.dtype == torch.float32 and m.w1.dtype == torch.bfloat16
+    assert m.expert_bias.tolist() == pytest.approx([-0.4, 0.4, 0.4, 0.4], abs=1e-4)
 
 
 def test_top_k_routing_follows_its_equation_token_by_token():
