@@ -1,9 +1,10 @@
 """Hugging Face integration: native models, exact conversion, training, lm-eval, refusals."""
 
+import contextlib
+import io
 import json
 import re
-import subprocess
-import sys
+import types
 
 import pytest
 import torch
@@ -81,8 +82,7 @@ def test_save_load_roundtrip_and_generation(tmp_path):
     src = source_model("qwen3")
     src.save_pretrained(tmp_path / "src")
     byte_tokenizer().save_pretrained(tmp_path / "src")
-    proc = subprocess.run([sys.executable, "-m", "attnres", "convert", str(tmp_path / "src"), str(tmp_path / "dst"),
-                           "--heads", "4", "--block-layers", "2"], capture_output=True, text=True)
+    proc = run_convert(tmp_path / "src", tmp_path / "dst")
     assert proc.returncode == 0, proc.stderr
     M, D = 2 * 4, 64
     added = 2 * (M + 1) * D + D + (M + 1)  # pseudo-queries, key gains, null, gates
@@ -245,9 +245,15 @@ def saved_source(tmp_path):
     return src, {p.name: p.read_bytes() for p in src.iterdir()}
 
 
-def run_convert(src, dst, *extra):
-    return subprocess.run([sys.executable, "-m", "attnres", "convert", str(src), str(dst), "--heads", "4",
-                           "--block-layers", "2", *extra], capture_output=True, text=True)
+def run_convert(src, dst, *extra, block_layers="2"):
+    """``attnres convert`` run in this process (a fresh interpreter spends seconds importing
+    transformers): its exit code and what it printed."""
+    from attnres.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["convert", str(src), str(dst), "--heads", "4", "--block-layers", block_layers, *extra])
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_convert_never_harms_its_source(tmp_path):
@@ -342,8 +348,7 @@ def test_uneven_blocks_convert_exactly_and_round_trip(tmp_path):
     sources than equal blocks do; generation with the cache equals generation without."""
     src, _ = saved_source(tmp_path)
     assert run_convert(src, tmp_path / "dst").returncode == 0  # the equal-blocks twin: --block-layers 2
-    proc = subprocess.run([sys.executable, "-m", "attnres", "convert", str(src), str(tmp_path / "uneven"),
-                           "--heads", "4", "--block-layers", "1,3"], capture_output=True, text=True)
+    proc = run_convert(src, tmp_path / "uneven", block_layers="1,3")
     assert proc.returncode == 0, proc.stderr
     config = json.loads((tmp_path / "uneven" / "config.json").read_text())
     assert config["delta_block_layers"] == [1, 3]
