@@ -322,13 +322,24 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         cos = self.rope_cos[start_pos : start_pos + T]
         sin = self.rope_sin[start_pos : start_pos + T]
+        state = self.stream.init(self.tok_embeddings(tokens))
+        state = self.run_sublayers(state, 0, self.config.num_sublayers, cos, sin, cache=cache, start_pos=start_pos,
+                                   trace=trace, experts=experts)
+        return self.stream.output(state, trace)
+
+    def run_sublayers(self, state, first: int, last: int, cos: torch.Tensor, sin: torch.Tensor, *,
+                      cache: KVCache | None = None, start_pos: int = 0, trace: Trace | None = None,
+                      experts: ExpertStats | None = None):
+        """The stream ``state`` after sublayers ``first .. last - 1`` (attention at even indices,
+        the MLP at odd ones), each read, run and written in turn: the whole pass from 0 to ``M``,
+        or one pipeline stage's part of it. ``cos``/``sin``: the RoPE rows of the tokens' positions."""
         stream = self.stream
-        state = stream.init(self.tok_embeddings(tokens))
-        for l, layer in enumerate(self.layers):
-            i = 2 * l
-            state = stream.write(state, i, layer.attn(stream.read(state, i, trace), cos, sin, cache, l, start_pos))
-            state = stream.write(state, i + 1, layer.mlp(stream.read(state, i + 1, trace), experts))
-        return stream.output(state, trace)
+        for i in range(first, last):
+            layer = self.layers[i >> 1]
+            x = stream.read(state, i, trace)
+            v = layer.attn(x, cos, sin, cache, i >> 1, start_pos) if i % 2 == 0 else layer.mlp(x, experts)
+            state = stream.write(state, i, v)
+        return state
 
     def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
                 return_depth_weights: bool = False, trace: Trace | None = None,

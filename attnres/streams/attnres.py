@@ -158,6 +158,18 @@ class FullAttnResStream(DepthRoutingStream):
     def _written(self, state: FullState) -> int:
         return len(state.sources) - 1
 
+    def split_state(self, state: FullState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return state.sources, ()
+
+    def _join_state(self, completed, rest, i: int) -> FullState:
+        if len(completed) != i + 1 or rest:
+            raise ValueError(f"full stream: the state before sublayer {i} is its {i + 1} sources (e, v_0, ..., "
+                             f"v_{i - 1}), given {len(completed)} and {len(rest)} other tensors")
+        state = self._init(completed[0])
+        for j, v in enumerate(completed[1:]):
+            state = self._write(state, j, v)
+        return state
+
 
 class BlockState(NamedTuple):
     """``blocks``: the completed sources, ``(e, B_0, ..., B_{n-1})`` (Delta: ``null`` first);
@@ -264,6 +276,32 @@ class BlockRoutingStream(DepthRoutingStream):
         return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains,
                                 self._site_norm(site))
 
+    def _block_start(self, i: int) -> int:
+        """The first site of the block that site ``i`` (``M``: the output) belongs to."""
+        return max(first for first in self._block_sites if first <= i)
+
+    def _source_sites(self) -> list[int]:
+        """The site before which each completed source (e, then each block) becomes readable."""
+        return sorted(self._block_sites)
+
+    def _join_blocks(self, e: torch.Tensor, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor | None,
+                     i: int, first: BlockState | None = None) -> BlockState:
+        """The block state before site ``i`` holding ``e``, the completed ``blocks`` and
+        ``partial``: the sources added again in order (``first``: the state to add them to, by
+        default an empty one), and the current block's phase 1 opened again, as a pass that had
+        run up to ``i`` holds it."""
+        sites = self._source_sites()
+        n = sum(1 for site in sites if site <= i)  # e, and every block completed before i
+        if len(blocks) + 1 != n or (partial is None) != (i == self._block_start(i)):
+            raise ValueError(f"{self.kind} stream: the state before sublayer {i} holds e, {n - 1} completed "
+                             f"block(s) and {'no' if i == self._block_start(i) else 'a'} partial sum, given "
+                             f"{len(blocks)} block(s) and {'a' if partial is not None else 'no'} partial sum")
+        state = first if first is not None else self._begin(e)
+        for source, site in zip((e, *blocks), sites):
+            state = self._complete(state, source, site)
+        state = self._open_block(state, self._block_start(i))
+        return BlockState(state.blocks, partial, state.memo, i)
+
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
@@ -308,3 +346,12 @@ class BlockAttnResStream(BlockRoutingStream):
 
     def _written(self, state: BlockState) -> int:
         return state.written
+
+    def split_state(self, state: BlockState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return state.blocks, (() if state.partial is None else (state.partial,))
+
+    def _join_state(self, completed, rest, i: int) -> BlockState:
+        if not completed or len(rest) > 1:
+            raise ValueError(f"block stream: the state is e, the completed blocks and at most one partial sum, given "
+                             f"{len(completed)} completed sources and {len(rest)} other tensors")
+        return self._join_blocks(completed[0], completed[1:], rest[0] if rest else None, i)

@@ -136,6 +136,29 @@ class Stream(nn.Module):
                                f"the state holds {self._written(state)}")
         return self._output(state, trace)
 
+    # -- the state between pipeline stages ----------------------------------------------------
+    def split_state(self, state: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(completed, rest)``: the completed sources ``state`` holds, in the order they were
+        completed, and the rest of it, all tensors: what a pipeline stage sends to the next
+        (``join_state`` rebuilds the state there). A state that is a plain tensor (PreNorm's
+        running sum, the streams of HC/mHC/GR) has no completed source: it is all the rest."""
+        return (), (state,)
+
+    def join_state(self, completed: tuple[torch.Tensor, ...], rest: tuple[torch.Tensor, ...], i: int) -> Any:
+        """The state before sublayer ``i`` (``num_sublayers``: before the output) from what
+        ``split_state`` gave, as the stage that runs sublayer ``i`` receives it. What a routing
+        backend kept for the sources is made again here: it never travels."""
+        if type(i) is not int or not 0 <= i <= self.num_sublayers:
+            raise ValueError(f"{self.kind} stream: join_state needs a sublayer index in [0, {self.num_sublayers}], "
+                             f"given {i!r}")
+        return self._join_state(tuple(completed), tuple(rest), i)
+
+    def _join_state(self, completed: tuple[torch.Tensor, ...], rest: tuple[torch.Tensor, ...], i: int) -> Any:
+        if completed or len(rest) != 1:
+            raise ValueError(f"{self.kind} stream: its state is one tensor, given {len(completed)} completed "
+                             f"sources and {len(rest)} other tensors")
+        return rest[0]
+
     def _refuse(self, state: Any, i: Any, operation: str) -> None:
         """Raise for ``i``, which is not a sublayer index, or (for a design that reads its sources
         in order) not the next one: sublayer ``i`` is read and written after the writes of

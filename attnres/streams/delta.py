@@ -75,3 +75,18 @@ class DeltaAttnResStream(BlockRoutingStream):
 
     def _written(self, state: DeltaState) -> int:
         return state.routed.written
+
+    def split_state(self, state: DeltaState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Completed: e and the blocks (the null source is a parameter, not state); the rest:
+        the additive stream ``h``, then the partial sum when there is one."""
+        routed = state.routed
+        return routed.blocks[1:], (state.h,) + (() if routed.partial is None else (routed.partial,))
+
+    def _join_state(self, completed, rest, i: int) -> DeltaState:
+        if not completed or not 1 <= len(rest) <= 2:
+            raise ValueError(f"delta stream: the state is e and the completed blocks, then h and at most one partial "
+                             f"sum, given {len(completed)} completed sources and {len(rest)} other tensors")
+        e = completed[0]
+        with_null = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
+        routed = self._join_blocks(e, completed[1:], rest[1] if len(rest) > 1 else None, i, first=with_null)
+        return DeltaState(rest[0], routed)
