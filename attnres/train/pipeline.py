@@ -1,0 +1,177 @@
+"""Pipeline parallelism for the reference LM on ``torch.distributed.pipelining``: the model cut at
+sublayer boundaries into stages, the stream state sent between them as tensors.
+
+A stage runs sublayers ``first .. last - 1``: the first stage embeds the tokens, the last routes
+the output and applies the head. Between stages travels ``stream.split_state(state)`` (the
+completed sources, then the rest), and the receiving stage rebuilds the state with
+``stream.join_state``, preparing the sources again for its own routing.
+
+Every rank keeps the whole model; a rank runs only its stages' sublayers, so its gradients hold
+only their part. After the schedule's backward each gradient is divided by the number of
+micro-batches and summed over the pipeline ranks: every rank then holds the full gradient, takes
+the same optimizer step and keeps the same weights, and a checkpoint is written as one process
+writes it. Parameters read by several stages (the stream's per-site rows, Delta's null source,
+tied embeddings) need no other care.
+
+Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; two for the others, rank ``r``
+holding stages ``r`` and ``r + P`` (``interleaved1f1b``, ``loopedbfs``) or ``r`` and ``2P - 1 - r``
+(the V schedules ``zbv``, ``dualpipev``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model import Transformer, lm_loss
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
+#: schedules that run two stages on every rank, and those of them that place them in a V
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stage_bounds(num_sublayers: int, stages: int, split=None) -> list[tuple[int, int]]:
+    """``[(first, last), ...]``: the sublayers of each stage, ``split`` (sublayers per stage) or
+    as even as they go, the earlier stages taking one more where they do not divide."""
+    if type(stages) is not int or not 1 <= stages <= num_sublayers:
+        raise ValueError(f"{stages!r} stages for {num_sublayers} sublayers: a stage needs at least one sublayer")
+    if split is None:
+        base, extra = divmod(num_sublayers, stages)
+        split = [base + (k < extra) for k in range(stages)]
+    split = list(split)
+    if len(split) != stages or any(type(n) is not int or n < 1 for n in split) or sum(split) != num_sublayers:
+        raise ValueError(f"split={split} must be {stages} positive sublayer counts summing to {num_sublayers}")
+    ends = [sum(split[: k + 1]) for k in range(stages)]
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def stage_indices(schedule: str, rank: int, ranks: int) -> list[int]:
+    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, in ascending order."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
+    if schedule in V_SHAPED:
+        return sorted([rank, 2 * ranks - 1 - rank])
+    if schedule in MULTI_STAGE:
+        return [rank, rank + ranks]
+    return [rank]
+
+
+@torch.no_grad()
+def boundary_layout(model: Transformer, cut: int) -> int:
+    """How many of the tensors that cross the boundary before sublayer ``cut`` are completed
+    sources (``split_state``'s first part), found by running the stream on one zero token."""
+    stream = model.stream
+    e = torch.zeros(1, 1, model.config.dim, dtype=model.tok_embeddings.weight.dtype)
+    state = stream.init(e)
+    for i in range(cut):
+        state = stream.write(state, i, torch.zeros_like(e))
+    return len(stream.split_state(state)[0])
+
+
+class StageModule(nn.Module):
+    """Sublayers ``first .. last - 1`` of ``model``; its forward takes the tokens ``[B, T]``
+    (the first stage) or the tensors the stage before sent, and returns the logits (the last
+    stage) or the tensors to send on."""
+
+    def __init__(self, model: Transformer, first: int, last: int):
+        super().__init__()
+        self.model, self.first, self.last = model, first, last
+        self.is_first, self.is_last = first == 0, last == model.config.num_sublayers
+        self.completed = 0 if self.is_first else boundary_layout(model, first)
+
+    def forward(self, *inputs: torch.Tensor):
+        model, stream = self.model, self.model.stream
+        if self.is_first:
+            (tokens,) = inputs
+            state = stream.init(model.tok_embeddings(tokens))
+        else:
+            n = self.completed
+            state = stream.join_state(inputs[:n], inputs[n:], self.first)
+        T = inputs[0].shape[1]
+        state = model.run_sublayers(state, self.first, self.last, model.rope_cos[:T], model.rope_sin[:T])
+        if self.is_last:
+            return model.lm_head(stream.output(state))
+        completed, rest = stream.split_state(state)
+        return (*completed, *rest)
+
+
+@dataclass
+class Pipeline:
+    """One rank's part of a pipelined model: its stages and the schedule that runs them."""
+
+    model: Transformer
+    schedule: object
+    stages: list
+    microbatches: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def has_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one optimizer step's batch ``x, y`` ``[B, T]`` (the same on
+        every rank) in ``microbatches`` micro-batches; returns the mean loss (a detached scalar,
+        on every rank). Afterwards every parameter's gradient is the mean over the micro-batches
+        of the whole model's, as ``accumulate_gradients`` with that many micro-batches gives."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs = dict(target=y, losses=losses, return_outputs=False) if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            grad.div_(self.microbatches)
+            dist.all_reduce(grad, group=self.group)
+            p.grad = grad
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
+        dist.all_reduce(loss, group=self.group)  # from the rank that holds the last stage
+        return loss
+
+
+def build_pipeline(model: Transformer, schedule: str, microbatches: int, *, split=None,
+                   group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> Pipeline:
+    """This rank's stages of ``model`` over the ranks of ``group`` (default: every rank) and
+    ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step. ``split``:
+    sublayers per stage (default: as even as they go)."""
+    from torch.distributed import pipelining as pp
+
+    if model.config.moe_experts:
+        raise ValueError("pipelining a mixture-of-experts model is not supported: its balance loss and expert "
+                         "load are not carried between stages")
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    indices = stage_indices(schedule, rank, ranks)
+    n_stages = ranks * (2 if schedule in MULTI_STAGE else 1)
+    if type(microbatches) is not int or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+    if schedule in ("1f1b", "dualpipev") and microbatches < n_stages:
+        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches as stages ({n_stages}), "
+                         f"given {microbatches}")
+    bounds = stage_bounds(model.config.num_sublayers, n_stages, split)
+    device = device or model.lm_head.weight.device
+    stages = []
+    for index in indices:
+        kwargs = {}
+        if schedule in V_SHAPED:
+            # these schedules split each backward into an input and a weight part; a stage that
+            # reads one parameter at several points (the stream's per-site rows) cannot run the
+            # weight part alone here, so the whole backward runs in the input part
+            kwargs["dw_builder"] = lambda: (lambda: None)
+        stages.append(pp.PipelineStage(StageModule(model, *bounds[index]), index, n_stages, device, group=group,
+                                       **kwargs))
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved1f1b": pp.ScheduleInterleaved1F1B,
+           "loopedbfs": pp.ScheduleLoopedBFS, "zbv": pp.ScheduleZBVZeroBubble,
+           "dualpipev": pp.ScheduleDualPipeV}[schedule]
+    # the gradients are scaled once, after the step: two local stages share the model's parameters
+    run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
+              scale_grads=False)
+    return Pipeline(model, run, stages, microbatches, group)
