@@ -78,10 +78,11 @@ def cmd_train(args) -> int:
     from .train import distributed
 
     distributed.teardown()
-    s = result.summary
-    status = "interrupted, checkpoint saved" if result.interrupted else "done"
-    print(f"{status}: step {s['steps']}, validation loss {s['final_val_loss']}, {s['tokens_per_s']:.0f} tokens/s")
-    print(run_dir)
+    if _rank() == 0:  # under torchrun, one line for the job
+        s = result.summary
+        status = "interrupted, checkpoint saved" if result.interrupted else "done"
+        print(f"{status}: step {s['steps']}, validation loss {s['final_val_loss']}, {s['tokens_per_s']:.0f} tokens/s")
+        print(run_dir)
     return 0
 
 

@@ -85,6 +85,31 @@ def test_moe_on_two_ranks_matches_one_process_with_the_same_micro_batches(single
     assert bias[0].abs().sum() > 0 and torch.equal(bias[0], bias[1])
 
 
+def test_a_pipelined_run_matches_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
+    """attnres train with run.pp_size=2 (1F1B, 2 micro-batches) on two ranks against one process
+    with 2 gradient-accumulation steps: the same losses; the checkpoint is the one-process format,
+    the same weights, and a single process resumes it."""
+    run([sys.executable, "-m", "attnres", "train", *COMMON, "--set", "run.grad_accum=2",
+         "--run-dir", str(tmp_path / "single")], tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+                           "attnres", "train", *COMMON, "--set", "run.pp_size=2", "--set", "run.pp_microbatches=2",
+                           "--run-dir", str(tmp_path / "pp")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: step 5") == 1  # one rank reports
+    single, pp = train_losses(tmp_path / "single"), train_losses(tmp_path / "pp")
+    assert len(pp) == 5 and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(pp, single)), (pp, single)
+    from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    weights = [load_checkpoint(latest_checkpoint(tmp_path / name / "checkpoints"))[0] for name in ("single", "pp")]
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, rtol=1e-5, atol=1e-7, msg=name)
+    run([sys.executable, "-m", "attnres", "train", "--run-dir", str(tmp_path / "pp"), "--resume",
+         "--set", "run.steps=6", "--set", "run.pp_size=1", "--set", "run.pp_microbatches=none",
+         "--set", "run.grad_accum=2"], tmp_path)
+    assert len(train_losses(tmp_path / "pp")) == 6
+
+
 def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):
     import signal
     import time

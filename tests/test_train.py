@@ -211,7 +211,7 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 )
 def test_cli_errors_are_clear(tmp_path, args, message):
     preset = [] if "--preset" in args else ["--preset", "tiny"]
-    proc = run_cli("train", *preset, "--run-dir", str(tmp_path), *args)
+    proc = cli_in_process("train", *preset, "--run-dir", str(tmp_path), *args)
     assert proc.returncode == 2
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
@@ -227,19 +227,37 @@ def test_resuming_a_finished_run_says_how_to_continue(tmp_path, corpus):
     assert result.summary["steps"] == 4
 
 
+def cli_in_process(*args):
+    """``attnres ARGS`` run in this process (a fresh interpreter spends seconds on imports): its
+    exit code and what it printed."""
+    import contextlib
+    import io
+    import types
+
+    from attnres.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's refusals
+            code = exit_.code
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path):
     """A second ``train`` into a run's folder neither overwrites its config and checkpoints nor
     appends to its log: refused before any work, unless --resume or --overwrite."""
     common = ["--preset", "tiny", "--run-dir", str(tmp_path), "--set", "run.progress=false",
               "--set", "run.tensorboard=false", "--set", "run.steps=4"]
-    assert run_cli("train", *common).returncode == 0
+    assert cli_in_process("train", *common).returncode == 0
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    proc = run_cli("train", *common, "--set", "optim.lr=0.01")
+    proc = cli_in_process("train", *common, "--set", "optim.lr=0.01")
     assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--overwrite" in proc.stderr, proc.stderr
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
-    proc = run_cli("train", *common, "--resume", "--overwrite")
+    proc = cli_in_process("train", *common, "--resume", "--overwrite")
     assert proc.returncode == 2 and "give one" in proc.stderr
-    proc = run_cli("train", *common, "--set", "optim.lr=0.01", "--overwrite")
+    proc = cli_in_process("train", *common, "--set", "optim.lr=0.01", "--overwrite")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4]  # one run's rows, not two

@@ -17,6 +17,7 @@ import torch
 
 from ..model import ModelConfig
 from ..streams import build_stream
+from .pipeline import SCHEDULES, check_pipeline
 
 
 @dataclass
@@ -60,6 +61,12 @@ class RunConfig:
 
     ``batch_size`` is the global batch per optimizer step (split across ranks and
     ``grad_accum`` micro-steps). ``parallel`` (``ddp``/``fsdp``) applies under torchrun.
+
+    ``pp_size > 1`` pipelines the model over that many ranks (``train/pipeline.py``; every rank of
+    the job, for now): ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved1f1b``, ``loopedbfs``,
+    ``zbv``, ``dualpipev``), ``pp_microbatches`` per step (default: the number of stages),
+    ``pp_stages_per_rank`` (default 1 for ``gpipe``/``1f1b``, 2 for the others), ``pp_split``
+    (sublayers per stage; default as even as they go).
     """
 
     steps: int = 400
@@ -75,6 +82,11 @@ class RunConfig:
     device: str = "auto"
     autocast: str = "auto"  # bf16 autocast on CUDA; "none" to disable
     parallel: str = "ddp"
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+    pp_split: tuple[int, ...] | None = None
     out_dir: str = "runs"
     name: str = ""
     tensorboard: bool = True
@@ -106,8 +118,27 @@ class TrainConfig:
                 torch.device(r.device)
             except RuntimeError:
                 raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
+        if r.pp_size > 1:
+            self._check_pipeline()
+        elif r.pp_split is not None or r.pp_microbatches is not None or r.pp_stages_per_rank is not None:
+            raise ValueError("run.pp_split, run.pp_microbatches and run.pp_stages_per_rank apply to a pipelined run: "
+                             "set run.pp_size > 1")
         with torch.device("meta"):  # the residual options, checked by the stream itself, on no memory
             build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
+
+
+    def _check_pipeline(self) -> None:
+        r, m = self.run, self.model
+        for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile),
+                            ("model.moe_experts", m.moe_experts > 0)):
+            if clash:
+                raise ValueError(f"run.pp_size={r.pp_size}: a pipelined run takes its micro-batches from "
+                                 f"run.pp_microbatches and runs eagerly on dense models; {name} is not supported with it")
+        try:
+            check_pipeline(r.pp_schedule, r.pp_size, m.num_sublayers, r.batch_size, r.pp_microbatches,
+                           r.pp_stages_per_rank, r.pp_split)
+        except ValueError as err:
+            raise ValueError(f"run.pp_size={r.pp_size}, run.pp_schedule={r.pp_schedule!r}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -190,6 +221,10 @@ FIELDS: dict[str, Range | Choice] = {
     "run.ckpt_every": _count(0),
     "run.autocast": Choice(("auto", "none")),
     "run.parallel": Choice(("ddp", "fsdp")),
+    "run.pp_size": _count(),
+    "run.pp_schedule": Choice(SCHEDULES),
+    "run.pp_microbatches": _count(none=True),
+    "run.pp_stages_per_rank": _count(none=True),
 }
 
 

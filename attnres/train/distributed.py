@@ -44,6 +44,12 @@ def pick_device(preference: str) -> torch.device:
     return device
 
 
+def launched_world_size() -> int:
+    """How many processes torchrun started for this job (1 without torchrun), known before the
+    process group starts."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(device_preference: str = "auto") -> DistInfo:
     """Start the process group when launched by torchrun; otherwise a single process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -13,9 +13,9 @@ the same optimizer step and keeps the same weights, and a checkpoint is written 
 writes it. Parameters read by several stages (the stream's per-site rows, Delta's null source,
 tied embeddings) need no other care.
 
-Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; two for the others, rank ``r``
-holding stages ``r`` and ``r + P`` (``interleaved1f1b``, ``loopedbfs``) or ``r`` and ``2P - 1 - r``
-(the V schedules ``zbv``, ``dualpipev``).
+Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; ``v >= 2`` for the looped
+schedules (``interleaved1f1b``, ``loopedbfs``), rank ``r`` holding stages ``r, r + P, ...``; exactly
+two for the V schedules (``zbv``, ``dualpipev``), rank ``r`` holding ``r`` and ``2P - 1 - r``.
 """
 
 from __future__ import annotations
@@ -49,15 +49,44 @@ def stage_bounds(num_sublayers: int, stages: int, split=None) -> list[tuple[int,
     return list(zip([0, *ends[:-1]], ends))
 
 
-def stage_indices(schedule: str, rank: int, ranks: int) -> list[int]:
-    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, in ascending order."""
+def stages_per_rank(schedule: str, given: int | None = None) -> int:
+    """Stages on each rank under ``schedule``: ``given``, or 1 for ``gpipe``/``1f1b`` and 2 for
+    the others; refused where the schedule cannot run it."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
+    v = given if given is not None else (2 if schedule in MULTI_STAGE else 1)
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(f"schedule {schedule!r} runs exactly 2 stages per rank, given {v}")
+    if schedule in MULTI_STAGE and (type(v) is not int or v < 2):
+        raise ValueError(f"schedule {schedule!r} runs 2 or more stages per rank, given {v!r}")
+    if schedule not in MULTI_STAGE and v != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank, given {v!r}; the looped schedules "
+                         f"(interleaved1f1b, loopedbfs) run several")
+    return v
+
+
+def stage_indices(schedule: str, rank: int, ranks: int, per_rank: int | None = None) -> list[int]:
+    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, in ascending order."""
+    v = stages_per_rank(schedule, per_rank)
     if schedule in V_SHAPED:
         return sorted([rank, 2 * ranks - 1 - rank])
-    if schedule in MULTI_STAGE:
-        return [rank, rank + ranks]
-    return [rank]
+    return [rank + k * ranks for k in range(v)]
+
+
+def check_pipeline(schedule: str, ranks: int, num_sublayers: int, batch: int | None, microbatches: int | None = None,
+                   per_rank: int | None = None, split=None) -> tuple[int, int]:
+    """``(stages, microbatches)`` of a pipeline over ``ranks`` ranks, every option checked
+    (before any process waits on another): ``microbatches`` (default: the number of stages)
+    dividing ``batch`` (when given), at least the number of stages where the schedule needs it,
+    and the split covering the sublayers."""
+    stages = ranks * stages_per_rank(schedule, per_rank)
+    stage_bounds(num_sublayers, stages, split)
+    mb = stages if microbatches is None else microbatches
+    if type(mb) is not int or mb < 1 or (batch is not None and batch % mb):
+        raise ValueError(f"{mb!r} micro-batches must be a positive integer dividing the batch of {batch}")
+    if schedule in ("1f1b", "dualpipev") and mb < stages:
+        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches as stages ({stages}), given {mb}")
+    return stages, mb
 
 
 @torch.no_grad()
@@ -138,24 +167,23 @@ class Pipeline:
         return loss
 
 
-def build_pipeline(model: Transformer, schedule: str, microbatches: int, *, split=None,
-                   group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> Pipeline:
+def build_pipeline(model: Transformer, schedule: str, microbatches: int | None = None, *, per_rank: int | None = None,
+                   split=None, group: dist.ProcessGroup | None = None,
+                   device: torch.device | None = None) -> Pipeline:
     """This rank's stages of ``model`` over the ranks of ``group`` (default: every rank) and
-    ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step. ``split``:
-    sublayers per stage (default: as even as they go)."""
+    ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step (default: one
+    per stage).
+    ``per_rank``: stages per rank (``stages_per_rank``); ``split``: sublayers per stage
+    (default: as even as they go)."""
     from torch.distributed import pipelining as pp
 
     if model.config.moe_experts:
         raise ValueError("pipelining a mixture-of-experts model is not supported: its balance loss and expert "
                          "load are not carried between stages")
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    indices = stage_indices(schedule, rank, ranks)
-    n_stages = ranks * (2 if schedule in MULTI_STAGE else 1)
-    if type(microbatches) is not int or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-    if schedule in ("1f1b", "dualpipev") and microbatches < n_stages:
-        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches as stages ({n_stages}), "
-                         f"given {microbatches}")
+    n_stages, microbatches = check_pipeline(schedule, ranks, model.config.num_sublayers, None, microbatches,
+                                            per_rank, split)
+    indices = stage_indices(schedule, rank, ranks, per_rank)
     bounds = stage_bounds(model.config.num_sublayers, n_stages, split)
     device = device or model.lm_head.weight.device
     stages = []

@@ -24,6 +24,7 @@ from . import distributed as dist
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
+from .pipeline import build_pipeline
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
@@ -259,9 +260,16 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     """
     cfg.validate()
     check_run_dir(Path(run_dir), resume, overwrite)
-    info = dist.setup(cfg.run.device)
     r, o = cfg.run, cfg.optim
-    if r.batch_size % (info.world_size * r.grad_accum):
+    pipelined = r.pp_size > 1
+    if pipelined and dist.launched_world_size() != r.pp_size:  # before any process waits on another
+        raise ValueError(f"run.pp_size={r.pp_size} needs {r.pp_size} processes (torchrun --nproc_per_node="
+                         f"{r.pp_size}), this job has {dist.launched_world_size()}; a pipeline over some of the "
+                         f"ranks with data parallelism over the rest is not supported yet")
+    info = dist.setup(cfg.run.device)
+    # the data-parallel ranks split the batch; the ranks of a pipeline all see all of it
+    dp_rank, dp_size = (0, 1) if pipelined else (info.rank, info.world_size)
+    if r.batch_size % (dp_size * r.grad_accum):
         raise ValueError(
             f"run.batch_size={r.batch_size} must be divisible by world size {info.world_size} x "
             f"run.grad_accum={r.grad_accum}"
@@ -276,8 +284,10 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
 
     torch.manual_seed(r.seed)
     model = Transformer(cfg.model).to(info.device)
-    wrapped = dist.wrap(model, r.parallel, info)
+    wrapped = model if pipelined else dist.wrap(model, r.parallel, info)
     forward = torch.compile(wrapped) if r.compile else wrapped
+    pipe = (build_pipeline(model, r.pp_schedule, r.pp_microbatches or None, per_rank=r.pp_stages_per_rank,
+                           split=r.pp_split, device=info.device) if pipelined else None)
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
@@ -307,7 +317,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     metrics = _Metrics(run_dir, info.is_main, r.tensorboard, start_step if resume else None)
     tokens_per_step = r.batch_size * r.seq_len
-    per_rank = r.batch_size // info.world_size
+    per_rank = r.batch_size // dp_size
     record_from = int(r.steps * 0.9)  # gradient norms are averaged over the last 10% of steps
 
     def save(step: int) -> None:
@@ -345,13 +355,16 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     group["lr"] = lr
                 start = time.perf_counter()
                 x, y = batch_at(corpus.train, r.batch_size, r.seq_len, r.seed, step)
-                x = x[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
-                y = y[info.rank * per_rank : (info.rank + 1) * per_rank].to(info.device)
+                x = x[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(info.device)
+                y = y[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(info.device)
                 optimizer.zero_grad(set_to_none=True)
                 step_stats.clear()
                 step_lm.zero_()
-                loss_sum = accumulate_gradients(loss_of, x, y, r.grad_accum,
-                                                lambda k: micro_step(wrapped, k < r.grad_accum - 1, autocast))
+                if pipelined:
+                    loss_sum = pipe.step(x, y)
+                else:
+                    loss_sum = accumulate_gradients(loss_of, x, y, r.grad_accum,
+                                                    lambda k: micro_step(wrapped, k < r.grad_accum - 1, autocast))
                 if moe:  # the logged loss is the language model's; the balance loss is logged apart
                     loss_sum = step_lm
                 last_loss = float(dist.mean_across_ranks(loss_sum))
