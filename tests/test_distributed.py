@@ -110,6 +110,18 @@ def test_a_pipelined_run_matches_one_process_and_its_checkpoint_resumes_in_one(t
     assert len(train_losses(tmp_path / "pp")) == 6
 
 
+def test_two_pipelines_side_by_side_match_one_process(tmp_path):
+    """Four ranks on a (dp 2, pp 2) mesh: two pipelines of two stages, each on half the batch in
+    2 micro-batches, against one process with 4 gradient-accumulation steps: the same losses."""
+    run([sys.executable, "-m", "attnres", "train", *COMMON, "--set", "run.steps=3", "--set", "run.grad_accum=4",
+         "--run-dir", str(tmp_path / "single")], tmp_path)
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone", "-m", "attnres", "train",
+         *COMMON, "--set", "run.steps=3", "--set", "run.pp_size=2", "--set", "run.pp_microbatches=2",
+         "--run-dir", str(tmp_path / "pp")], tmp_path)
+    single, pp = train_losses(tmp_path / "single"), train_losses(tmp_path / "pp")
+    assert len(pp) == 3 and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(pp, single)), (pp, single)
+
+
 def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):
     import signal
     import time

@@ -62,8 +62,8 @@ class RunConfig:
     ``batch_size`` is the global batch per optimizer step (split across ranks and
     ``grad_accum`` micro-steps). ``parallel`` (``ddp``/``fsdp``) applies under torchrun.
 
-    ``pp_size > 1`` pipelines the model over that many ranks (``train/pipeline.py``; every rank of
-    the job, for now): ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved1f1b``, ``loopedbfs``,
+    ``pp_size > 1`` pipelines the model over that many ranks (``train/pipeline.py``; a job of
+    ``k * pp_size`` ranks runs ``k`` copies side by side, data parallel): ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved1f1b``, ``loopedbfs``,
     ``zbv``, ``dualpipev``), ``pp_microbatches`` per step (default: the number of stages),
     ``pp_stages_per_rank`` (default 1 for ``gpipe``/``1f1b``, 2 for the others), ``pp_split``
     (sublayers per stage; default as even as they go).

@@ -7,7 +7,8 @@ completed sources, then the rest), and the receiving stage rebuilds the state wi
 ``stream.join_state``, preparing the sources again for its own routing.
 
 Every rank keeps the whole model; a rank runs only its stages' sublayers, so its gradients hold
-only their part. After the schedule's backward each gradient is divided by the number of
+only their part. Beside the pipeline, data parallelism runs copies of it on a 2-D device mesh
+``(dp, pp)``, each on its part of the batch, their gradients averaged. After the schedule's backward each gradient is divided by the number of
 micro-batches and summed over the pipeline ranks: every rank then holds the full gradient, takes
 the same optimizer step and keeps the same weights, and a checkpoint is written as one process
 writes it. Parameters read by several stages (the stream's per-site rows, Delta's null source,
@@ -90,6 +91,19 @@ def check_pipeline(schedule: str, ranks: int, num_sublayers: int, batch: int | N
 
 
 @torch.no_grad()
+def pipeline_groups(pp_size: int):
+    """``(pipeline, replicas, replica_index, replica_count)`` for this rank of a job of
+    ``pp_size`` pipeline ranks times ``world / pp_size`` replicas, on a 2-D device mesh
+    ``(dp, pp)``: rank ``r`` is stage rank ``r % pp_size`` of replica ``r // pp_size``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world // pp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    replicas = mesh["dp"].get_group() if world > pp_size else None
+    return mesh["pp"].get_group(), replicas, mesh.get_local_rank("dp"), world // pp_size
+
+
 def boundary_layout(model: Transformer, cut: int) -> int:
     """How many of the tensors that cross the boundary before sublayer ``cut`` are completed
     sources (``split_state``'s first part), found by running the stream on one zero token."""
@@ -137,6 +151,8 @@ class Pipeline:
     stages: list
     microbatches: int
     group: dist.ProcessGroup | None
+    #: the replicas of this pipeline (data parallelism beside it), or None
+    replicas: dist.ProcessGroup | None = None
 
     @property
     def has_first(self) -> bool:
@@ -148,9 +164,10 @@ class Pipeline:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one optimizer step's batch ``x, y`` ``[B, T]`` (the same on
-        every rank) in ``microbatches`` micro-batches; returns the mean loss (a detached scalar,
-        on every rank). Afterwards every parameter's gradient is the mean over the micro-batches
-        of the whole model's, as ``accumulate_gradients`` with that many micro-batches gives."""
+        every rank of the pipeline; each replica its own) in ``microbatches`` micro-batches;
+        returns the mean loss (a detached scalar, on every rank). Afterwards every parameter's
+        gradient is the mean over the micro-batches (and the replicas) of the whole model's, as
+        ``accumulate_gradients`` over all of those micro-batches in one process gives."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = dict(target=y, losses=losses, return_outputs=False) if self.has_last else {}
@@ -159,20 +176,31 @@ class Pipeline:
             if not p.requires_grad:
                 continue
             grad = torch.zeros_like(p) if p.grad is None else p.grad
-            grad.div_(self.microbatches)
+            grad.div_(self.microbatches * self._replica_count)
             dist.all_reduce(grad, group=self.group)
+            if self.replicas is not None:
+                dist.all_reduce(grad, group=self.replicas)
             p.grad = grad
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
         dist.all_reduce(loss, group=self.group)  # from the rank that holds the last stage
+        if self.replicas is not None:
+            dist.all_reduce(loss, group=self.replicas)
+            loss /= self._replica_count
         return loss
+
+    @property
+    def _replica_count(self) -> int:
+        return 1 if self.replicas is None else dist.get_world_size(self.replicas)
 
 
 def build_pipeline(model: Transformer, schedule: str, microbatches: int | None = None, *, per_rank: int | None = None,
-                   split=None, group: dist.ProcessGroup | None = None,
+                   split=None, group: dist.ProcessGroup | None = None, replicas: dist.ProcessGroup | None = None,
                    device: torch.device | None = None) -> Pipeline:
     """This rank's stages of ``model`` over the ranks of ``group`` (default: every rank) and
     ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step (default: one
-    per stage).
+    per stage). ``replicas``: the ranks holding the same stages in the other copies of the
+    pipeline (data parallelism beside it; each feeds its own part of the batch), whose
+    gradients are averaged.
     ``per_rank``: stages per rank (``stages_per_rank``); ``split``: sublayers per stage
     (default: as even as they go)."""
     from torch.distributed import pipelining as pp
@@ -202,4 +230,4 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     # the gradients are scaled once, after the step: two local stages share the model's parameters
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)
-    return Pipeline(model, run, stages, microbatches, group)
+    return Pipeline(model, run, stages, microbatches, group, replicas)

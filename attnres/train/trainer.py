@@ -24,7 +24,7 @@ from . import distributed as dist
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
-from .pipeline import build_pipeline
+from .pipeline import build_pipeline, check_pipeline, pipeline_groups
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
@@ -262,13 +262,26 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     check_run_dir(Path(run_dir), resume, overwrite)
     r, o = cfg.run, cfg.optim
     pipelined = r.pp_size > 1
-    if pipelined and dist.launched_world_size() != r.pp_size:  # before any process waits on another
-        raise ValueError(f"run.pp_size={r.pp_size} needs {r.pp_size} processes (torchrun --nproc_per_node="
-                         f"{r.pp_size}), this job has {dist.launched_world_size()}; a pipeline over some of the "
-                         f"ranks with data parallelism over the rest is not supported yet")
+    world = dist.launched_world_size()
+    if pipelined and world % r.pp_size:  # before any process waits on another
+        raise ValueError(f"run.pp_size={r.pp_size} must divide the job's {world} processes (torchrun "
+                         f"--nproc_per_node=N, N a multiple of {r.pp_size}: the pipelines run side by side)")
+    if pipelined:  # each copy of the pipeline splits its part of the batch into the micro-batches
+        copies = world // r.pp_size
+        if r.batch_size % copies:
+            raise ValueError(f"run.batch_size={r.batch_size} must be divisible by the {copies} copies of the pipeline")
+        check_pipeline(r.pp_schedule, r.pp_size, cfg.model.num_sublayers, r.batch_size // copies, r.pp_microbatches,
+                       r.pp_stages_per_rank, r.pp_split)
+    if pipelined and r.parallel != "ddp":
+        raise ValueError(f"run.pp_size={r.pp_size}: the copies of a pipeline average their gradients as DDP does; "
+                         f"run.parallel={r.parallel!r} is not supported with it")
     info = dist.setup(cfg.run.device)
-    # the data-parallel ranks split the batch; the ranks of a pipeline all see all of it
-    dp_rank, dp_size = (0, 1) if pipelined else (info.rank, info.world_size)
+    # the data-parallel ranks split the batch; the ranks of one pipeline all see their replica's part
+    pipeline_group = replicas = None
+    if pipelined:
+        pipeline_group, replicas, dp_rank, dp_size = pipeline_groups(r.pp_size)
+    else:
+        dp_rank, dp_size = info.rank, info.world_size
     if r.batch_size % (dp_size * r.grad_accum):
         raise ValueError(
             f"run.batch_size={r.batch_size} must be divisible by world size {info.world_size} x "
@@ -286,8 +299,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     model = Transformer(cfg.model).to(info.device)
     wrapped = model if pipelined else dist.wrap(model, r.parallel, info)
     forward = torch.compile(wrapped) if r.compile else wrapped
-    pipe = (build_pipeline(model, r.pp_schedule, r.pp_microbatches or None, per_rank=r.pp_stages_per_rank,
-                           split=r.pp_split, device=info.device) if pipelined else None)
+    pipe = (build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank, split=r.pp_split,
+                           group=pipeline_group, replicas=replicas, device=info.device) if pipelined else None)
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
