@@ -115,16 +115,20 @@ def accumulate_gradients(loss_of, x: torch.Tensor, y: torch.Tensor, grad_accum: 
 
 
 @torch.no_grad()
-def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast) -> float:
-    """Mean validation loss over ``run.eval_batches`` fixed batches (the same for every run)."""
+def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_rank: int | None = None,
+             dp_size: int | None = None) -> float:
+    """Mean validation loss over ``run.eval_batches`` fixed batches (the same for every run),
+    each split over the ``dp_size`` data-parallel ranks (default: every rank; the ranks of one
+    pipeline, which all hold the whole model, evaluate the same part)."""
     r = cfg.run
+    dp_rank, dp_size = (info.rank, info.world_size) if dp_size is None else (dp_rank, dp_size)
     was_training = model.training
     model.eval()
-    per_rank = r.batch_size // info.world_size
+    per_rank = r.batch_size // dp_size
     losses = []
     for i in range(r.eval_batches):
         x, y = batch_at(tokens, r.batch_size, r.seq_len, EVAL_SEED, i)
-        x, y = x[info.rank * per_rank : (info.rank + 1) * per_rank], y[info.rank * per_rank : (info.rank + 1) * per_rank]
+        x, y = x[dp_rank * per_rank : (dp_rank + 1) * per_rank], y[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         with autocast():
             losses.append(lm_loss(model(x.to(info.device)), y.to(info.device)))
     model.train(was_training)
@@ -408,7 +412,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                                      tokens_per_s=tokens_per_step * (done - start_step) / step_time,
                                      **(routing if moe else {})))
                 if done % r.eval_every == 0 or done == r.steps:
-                    val_loss = evaluate(forward, corpus.val, cfg, info, autocast)
+                    val_loss = evaluate(forward, corpus.val, cfg, info, autocast, dp_rank, dp_size)
                     metrics.log(dict(split="val", step=done, tokens=done * tokens_per_step, val_loss=val_loss))
                     if bar is not None:
                         bar.write(f"step {done}: val loss {val_loss:.4f}")
