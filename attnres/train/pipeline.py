@@ -7,12 +7,12 @@ completed sources, then the rest), and the receiving stage rebuilds the state wi
 ``stream.join_state``, preparing the sources again for its own routing.
 
 Every rank keeps the whole model; a rank runs only its stages' sublayers, so its gradients hold
-only their part. Beside the pipeline, data parallelism runs copies of it on a 2-D device mesh
-``(dp, pp)``, each on its part of the batch, their gradients averaged. After the schedule's backward each gradient is divided by the number of
+only their part. After the schedule's backward each gradient is divided by the number of
 micro-batches and summed over the pipeline ranks: every rank then holds the full gradient, takes
 the same optimizer step and keeps the same weights, and a checkpoint is written as one process
 writes it. Parameters read by several stages (the stream's per-site rows, Delta's null source,
-tied embeddings) need no other care.
+tied embeddings) need no other care. Beside the pipeline, data parallelism runs copies of it on
+a 2-D device mesh ``(dp, pp)``, each on its part of the batch, their gradients averaged.
 
 Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; ``v >= 2`` for the looped
 schedules (``interleaved1f1b``, ``loopedbfs``), rank ``r`` holding stages ``r, r + P, ...``; exactly
@@ -30,7 +30,7 @@ from torch import nn
 from ..model import Transformer, lm_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
-#: schedules that run two stages on every rank, and those of them that place them in a V
+#: schedules that run several stages on every rank, and those of them that place two in a V
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
 
