@@ -50,3 +50,21 @@ def randomize_stream(model: Transformer, seed: int = 1, scale: float = 0.3) -> N
 @pytest.fixture(params=list(DESIGNS))
 def design(request):
     return request.param
+
+
+def cli_in_process(*args):
+    """``attnres ARGS`` run in the test's process (a fresh interpreter spends seconds on its
+    imports): its exit code and what it printed."""
+    import contextlib
+    import io
+    import types
+
+    from attnres.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse's refusals
+            code = exit_.code
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())

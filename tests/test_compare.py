@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import cli_in_process
+
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
@@ -85,38 +87,31 @@ def test_analysis_has_depth_weights_per_site_and_head(comparison):
 def test_report_rebuilds_from_artifacts(comparison):
     before = comparison.read_text()
     comparison.unlink()
-    proc = subprocess.run([sys.executable, "-m", "attnres", "report", str(comparison.parent)],
-                          capture_output=True, text=True)
+    proc = cli_in_process("report", comparison.parent)
     assert proc.returncode == 0, proc.stderr
     assert comparison.read_text() == before
 
 
 def test_generate_from_a_run(comparison):
-    proc = subprocess.run([sys.executable, "-m", "attnres", "generate", str(comparison.parent / "block"),
-                           "--prompt", "import ", "--max-new-tokens", "12", "--temperature", "0"],
-                          capture_output=True, text=True)
+    proc = cli_in_process("generate", comparison.parent / "block", "--prompt", "import ", "--max-new-tokens", "12",
+                          "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("import ") and len(proc.stdout.encode()) >= len("import ") + 1
 
 
 def test_generate_with_its_defaults_fits_the_context(comparison):
     """The tiny preset's context is 64 tokens: the default request fills it instead of failing."""
-    proc = subprocess.run([sys.executable, "-m", "attnres", "generate", str(comparison.parent / "block")],
-                          capture_output=True, text=True)
+    proc = cli_in_process("generate", comparison.parent / "block")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def ")
-    too_long = subprocess.run([sys.executable, "-m", "attnres", "generate", str(comparison.parent / "block"),
-                               "--max-new-tokens", "61"], capture_output=True, text=True)
+    too_long = cli_in_process("generate", comparison.parent / "block", "--max-new-tokens", "61")
     assert too_long.returncode == 2
     assert "prompt length 4 + max_new_tokens 61 exceeds max_seq_len=64" in too_long.stderr
 
 
 def run_compare(tmp_path, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "attnres", "compare", "--preset", "tiny", "--out", str(tmp_path),
-         "--set", "run.steps=2", "--set", "run.eval_every=2", "--set", "run.progress=false", *args],
-        capture_output=True, text=True, timeout=600,
-    )
+    return cli_in_process("compare", "--preset", "tiny", "--out", tmp_path, "--set", "run.steps=2",
+                          "--set", "run.eval_every=2", "--set", "run.progress=false", *args)
 
 
 def test_residual_options_given_to_compare_apply_to_the_designs_that_take_them(tmp_path):

@@ -21,6 +21,8 @@ from attnres.train.config import apply_override, tiny
 from attnres.train.data import load_corpus
 from attnres.train.trainer import TrainingDiverged, lr_at, train
 
+from .conftest import cli_in_process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -225,24 +227,6 @@ def test_resuming_a_finished_run_says_how_to_continue(tmp_path, corpus):
     longer = quiet(tiny(), steps=4, log_every=1)
     result = train(longer, tmp_path, corpus=corpus, resume=True)
     assert result.summary["steps"] == 4
-
-
-def cli_in_process(*args):
-    """``attnres ARGS`` run in this process (a fresh interpreter spends seconds on imports): its
-    exit code and what it printed."""
-    import contextlib
-    import io
-    import types
-
-    from attnres.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse's refusals
-            code = exit_.code
-    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path):
