@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     rss_mib,
     write_csv,
 )
+from train_step import training_step  # noqa: E402
 
 from attnres import ModelConfig, MoE, Transformer, param_groups  # noqa: E402
 from attnres.moe import moe_naive  # noqa: E402
@@ -74,26 +75,7 @@ def dispatch_calls(batch: int, seq: int) -> dict:
 def build_step(variant: str, batch: int, seq: int):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**SIZES, **MODELS[variant]))
-    with torch.no_grad():  # live routing, as after some training
-        for name, p in model.stream.named_parameters():
-            if name == "pseudo_queries":
-                p.normal_(0, 0.02)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
-    x = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model.loss(x[:, :-1], x[:, 1:]).backward()
-        opt.step()
-
-    def init_optimizer_state():
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step.init_optimizer_state = init_optimizer_state
-    return step
+    return training_step(model, param_groups(model, 0.1), batch, seq)
 
 
 def main():

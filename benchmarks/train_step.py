@@ -66,11 +66,18 @@ def build(variant, batch, seq):
         groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
     else:
         model = package.Transformer(package.ModelConfig(**SIZES, **VARIANTS[name]))
-        with torch.no_grad():  # live routing, as after some training
-            for name, p in model.stream.named_parameters():
-                if name == "pseudo_queries":
-                    p.normal_(0, 0.02)
         groups = package.param_groups(model, 0.1)
+    return training_step(model, groups, batch, seq)
+
+
+def training_step(model, groups, batch: int, seq: int):
+    """One step (forward, backward, AdamW) of ``model`` on a fixed random batch of ``batch`` x
+    ``seq`` tokens, as a function; its ``init_optimizer_state()`` creates AdamW's moments. The
+    stream's pseudo-queries are drawn at N(0, 0.02) first: live routing, as after some training."""
+    with torch.no_grad():
+        for name, p in getattr(model, "stream", torch.nn.Module()).named_parameters():
+            if name == "pseudo_queries":
+                p.normal_(0, 0.02)
     opt = torch.optim.AdamW(groups, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (batch, seq + 1), generator=g)
