@@ -126,7 +126,6 @@ class TrainConfig:
         with torch.device("meta"):  # the residual options, checked by the stream itself, on no memory
             build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
 
-
     def _check_pipeline(self) -> None:
         r, m = self.run, self.model
         for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile),
