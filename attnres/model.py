@@ -333,9 +333,9 @@ class Transformer(nn.Module):
         """The stream ``state`` after sublayers ``first .. last - 1`` (attention at even indices,
         the MLP at odd ones), each read, run and written in turn: the whole pass from 0 to ``M``,
         or one pipeline stage's part of it. ``cos``/``sin``: the RoPE rows of the tokens' positions."""
-        stream = self.stream
+        stream, layers = self.stream, list(self.layers)  # a list: ModuleList indexing costs ~10 calls
         for i in range(first, last):
-            layer = self.layers[i >> 1]
+            layer = layers[i >> 1]
             x = stream.read(state, i, trace)
             v = layer.attn(x, cos, sin, cache, i >> 1, start_pos) if i % 2 == 0 else layer.mlp(x, experts)
             state = stream.write(state, i, v)
