@@ -1,6 +1,7 @@
 """Run under ``torchrun`` by ``tests/test_pipeline.py``: every case pipelines one training step
-of a tiny model over the ranks and compares it, on every rank, with one process running the same
-micro-batches with gradient accumulation. Writes ``OUT/rank{r}.json``."""
+of a tiny model over the ranks (2, or 4 for Block's 8 interleaved stages) and compares it, on every rank, with one process running the same
+micro-batches with gradient accumulation; the AttnRes family under the multi-stage schedules runs
+with the cross-stage cache off and on. Writes ``OUT/rank{r}.json``."""
 
 import json
 import sys
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from attnres.model import lm_loss
-from attnres.train.pipeline import build_pipeline
+from attnres.train.pipeline import MULTI_STAGE, build_pipeline
+from attnres.train.stage_cache import CACHED_RESIDUALS
 from attnres.train.trainer import accumulate_gradients
 
 from .conftest import randomize_stream, tiny_model
@@ -22,8 +24,20 @@ OTHERS = {"loopedbfs": ("block", "delta"), "dualpipev": ("block", "delta")}
 MICROBATCHES = 4
 
 
-def case(design: str, schedule: str) -> dict:
-    model = tiny_model(design, n_layers=4)  # 8 sublayers: 2 or 4 stages of 2 to 4
+def received_bytes(pipe) -> dict[int, int]:
+    """Per stage of this rank fed over the wire (its stage before on another rank): the bytes
+    of the receive buffers the engine filled for one micro-batch."""
+    out = {}
+    for stage in pipe.stages:
+        s = stage.stage_index
+        if s == 0 or any(t.stage_index == s - 1 for t in pipe.stages):
+            continue
+        out[s] = sum(info.buffer.numel() * info.buffer.element_size() for info in stage.args_recv_info[0])
+    return out
+
+
+def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
+    model = tiny_model(design, n_layers=4)  # 8 sublayers: 2, 4 or 8 stages
     randomize_stream(model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 64, (8, 8), generator=g)
@@ -32,7 +46,7 @@ def case(design: str, schedule: str) -> dict:
     ref_loss = accumulate_gradients(lambda xs, ys: lm_loss(model(xs), ys), x, y, MICROBATCHES)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    pipe = build_pipeline(model, schedule, MICROBATCHES)
+    pipe = build_pipeline(model, schedule, MICROBATCHES, cache=cache)
     loss = pipe.step(x, y)
     worst, worst_name = 0.0, None
     for name, p in model.named_parameters():
@@ -41,13 +55,26 @@ def case(design: str, schedule: str) -> dict:
         if rel > worst:
             worst, worst_name = rel, name
     bitwise = all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters())
-    return dict(loss=float(loss.detach()), ref_loss=float(ref_loss.detach()), max_rel_grad=worst, worst=worst_name, bitwise=bitwise)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return dict(loss=float(loss.detach()), ref_loss=float(ref_loss.detach()), max_rel_grad=worst, worst=worst_name,
+                bitwise=bitwise, cached=pipe.cache is not None, received=received_bytes(pipe),
+                left_in_cache=0 if pipe.cache is None else len(pipe.cache)), grads
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     cases = [(d, s) for s in SCHEDULES for d in DESIGNS] + [(d, s) for s, ds in OTHERS.items() for d in ds]
-    results = {f"{d}/{s}": case(d, s) for d, s in cases}
+    if dist.get_world_size() == 4:  # 8 stages of one sublayer on 4 ranks
+        cases = [("block", "interleaved1f1b")]
+    results = {}
+    for d, s in cases:
+        results[f"{d}/{s}"], off = case(d, s, "off")
+        if s in MULTI_STAGE and tiny_model(d).config.residual in CACHED_RESIDUALS:
+            on, grads = case(d, s, "on")
+            on["bitwise_to_off"] = all(torch.equal(grads[n], off[n]) for n in grads)
+            on["max_rel_to_off"] = max(float((grads[n] - off[n]).abs().max() / off[n].abs().max().clamp_min(1e-12))
+                                       for n in grads)
+            results[f"{d}/{s}/cache"] = on
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

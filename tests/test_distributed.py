@@ -111,15 +111,16 @@ def test_a_pipelined_run_matches_one_process_and_its_checkpoint_resumes_in_one(t
 
 
 def test_two_pipelines_side_by_side_match_one_process(tmp_path):
-    """Four ranks on a (dp 2, pp 2) mesh: two pipelines of two stages, each on half of a batch of
-    6 in 3 micro-batches, against one process with 6 gradient-accumulation steps: the same
-    losses, and the same validation loss (every row of the batch evaluated once per pipeline)."""
+    """Four ranks on a (dp 2, pp 2) mesh: two pipelines of four interleaved stages (two per
+    rank, the cross-stage cache on by default), each on half of a batch of 6 in 3 micro-batches,
+    against one process with 6 gradient-accumulation steps: the same losses, and the same
+    validation loss (every row of the batch evaluated once per pipeline)."""
     sizes = ["--set", "run.steps=3", "--set", "run.batch_size=6", "--set", "run.eval_every=3"]
     run([sys.executable, "-m", "attnres", "train", *COMMON, *sizes, "--set", "run.grad_accum=6",
          "--run-dir", str(tmp_path / "single")], tmp_path)
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone", "-m", "attnres", "train",
          *COMMON, *sizes, "--set", "run.pp_size=2", "--set", "run.pp_microbatches=3",
-         "--run-dir", str(tmp_path / "pp")], tmp_path)
+         "--set", "run.pp_schedule=interleaved1f1b", "--run-dir", str(tmp_path / "pp")], tmp_path)
     single, pp = train_losses(tmp_path / "single"), train_losses(tmp_path / "pp")
     assert len(pp) == 3 and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(pp, single)), (pp, single)
     val = [json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"] for name in ("single", "pp")]

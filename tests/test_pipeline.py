@@ -1,6 +1,7 @@
-"""Pipeline parallelism on real torchrun with two gloo ranks: one launch runs every case
+"""Pipeline parallelism on real torchrun with gloo ranks: one launch of two ranks runs every case
 (``tests/pipeline_worker.py``): each design and schedule pipelines one training step and is
-compared, on every rank, with one process running the same micro-batches."""
+compared, on every rank, with one process running the same micro-batches, the AttnRes family
+with the cross-stage cache off and on; one launch of four runs Block in 8 interleaved stages."""
 
 import json
 import re
@@ -11,22 +12,32 @@ from pathlib import Path
 
 import pytest
 
-from attnres.train.pipeline import SCHEDULES, stage_bounds, stage_indices
+from attnres.train.pipeline import MULTI_STAGE, SCHEDULES, stage_bounds, stage_indices
+from attnres.train.stage_cache import sources_held, use_cache
 
 from .pipeline_worker import DESIGNS, OTHERS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline")
+def launch(tmp_path_factory, ranks: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"pipeline{ranks}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
                            "-m", "tests.pipeline_worker", str(out)], capture_output=True, text=True, timeout=600,
                           env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    return launch(tmp_path_factory, 4)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -43,6 +54,99 @@ def test_a_pipelined_step_equals_one_process_with_the_same_micro_batches(results
     # parameters' reads (the schedules that keep one process's accumulation order)
     if schedule not in OTHERS:
         assert all(rank[f"prenorm/{schedule}"]["bitwise"] for rank in results)
+
+
+CACHED = ("block", "mhar", "mhar-uneven", "full", "delta")
+
+
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+def test_the_cross_stage_cache_gives_the_same_step(results, schedule):
+    """With the cache on, the AttnRes family's pipelined step equals one process as without it:
+    the loss bit for bit, every gradient within 1e-6 relative of one process and of the step
+    without the cache (the cached sources' gradients are summed in another order: not bit for
+    bit, see ``stage_cache``); nothing is left in the cache after the step."""
+    for rank in results:
+        for design in set(CACHED) & set(OTHERS.get(schedule, DESIGNS)):
+            r = rank[f"{design}/{schedule}/cache"]
+            assert r["cached"] and not rank[f"{design}/{schedule}"]["cached"], design
+            assert r["loss"] == r["ref_loss"], (design, r)
+            assert r["max_rel_grad"] <= 1e-6 and r["max_rel_to_off"] <= 1e-6, (design, r)
+            assert r["left_in_cache"] == 0, (design, r)
+
+
+def sources_at(model, cut: int) -> tuple[int, int]:
+    """``(completed sources, other tensors)`` of the state before sublayer ``cut``, counted from
+    the design's definition, in ``[tokens, D]`` tensors: PreNorm's running sum; the ``n`` streams
+    of HC/mHC/GR; Full's ``e`` and one source per sublayer; Block's ``e``, one per finished block
+    and the partial mid-block; Delta's the same and its running sum ``h``."""
+    kind = model.config.residual
+    if kind == "prenorm":
+        return 0, 1
+    if kind in ("hc", "mhc", "gr"):
+        return 0, model.config.streams
+    if kind == "full":
+        return cut + 1, 0
+    ends = [sum(model.stream.block_sizes[: k + 1]) for k in range(len(model.stream.block_sizes))]
+    return 1 + sum(end <= cut for end in ends), int(cut not in ends) + (kind == "delta")
+
+
+#: stage -> the cut its rank's cached sources reach when the stage runs: 4 stages of 2 sublayers
+#: on 2 ranks; looped: rank r holds r and r + 2; V: rank 0 holds 0 and 3, rank 1 holds 1 and 2
+#: (their hop stays on the rank, nothing cached)
+HELD_CUT = {"interleaved1f1b": {2: 2, 3: 4}, "loopedbfs": {2: 2, 3: 4}, "zbv": {3: 2}, "dualpipev": {3: 2}}
+
+
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+def test_a_hop_carries_what_the_design_needs_and_with_the_cache_only_what_the_rank_has_not_seen(results,
+                                                                                                schedule):
+    """The bytes the engine received per hop and micro-batch (2 x 8 tokens of dim 32 in fp32:
+    2 KiB per tensor) against the count from each design's definition; with the cache, the
+    sources the receiving rank holds are not sent."""
+    from .conftest import tiny_model
+
+    unit = 2 * 8 * 32 * 4
+    checked = 0
+    for rank in results:
+        for design in OTHERS.get(schedule, DESIGNS):
+            model = tiny_model(design, n_layers=4)
+            for key, cached in ((f"{design}/{schedule}", False), (f"{design}/{schedule}/cache", True)):
+                if key not in rank:
+                    continue
+                for stage, got in rank[key]["received"].items():
+                    cut = 2 * int(stage)
+                    completed, other = sources_at(model, cut)
+                    held = sources_at(model, HELD_CUT[schedule][int(stage)])[0] if cached and int(
+                        stage) in HELD_CUT[schedule] else 0
+                    assert got == (completed - held + other) * unit, (key, stage, got, completed, held, other)
+                    checked += 1
+    assert checked >= 8
+
+
+def test_four_ranks_of_two_interleaved_stages_with_the_cache(results4):
+    """Block AttnRes in 8 stages of one sublayer on 4 ranks (interleaved 1F1B): the same step as
+    one process with and without the cache; the hop into stage 7 (cut 7: e, B_0, B_1 and the
+    partial) carries 4 tensors without the cache and 2 with it (its rank holds e and B_0 from
+    stage 3)."""
+    unit = 2 * 8 * 32 * 4
+    for rank in results4:
+        for key in ("block/interleaved1f1b", "block/interleaved1f1b/cache"):
+            r = rank[key]
+            assert r["loss"] == r["ref_loss"] and r["max_rel_grad"] <= 1e-6, (key, r)
+        assert rank["block/interleaved1f1b/cache"]["max_rel_to_off"] <= 1e-6
+    assert results4[3]["block/interleaved1f1b"]["received"]["7"] == 4 * unit
+    assert results4[3]["block/interleaved1f1b/cache"]["received"]["7"] == 2 * unit
+
+
+def test_which_sources_a_rank_holds_follows_the_placement():
+    # looped, 2 ranks x 2: stage 2 holds what stage 0 completed, stage 3 what stage 1 did
+    assert sources_held([0, 1, 0, 1], [1, 2, 3, 4]) == [0, 0, 1, 2]
+    # V on 2 ranks: stage 2 follows stage 1 on its rank (handed over in memory), stage 3 holds stage 0's
+    assert sources_held([0, 1, 1, 0], [1, 2, 3, 4]) == [0, 0, 0, 1]
+    assert use_cache("auto", "block", 2) and use_cache("auto", "full", 2) and use_cache("auto", "delta", 3)
+    assert not use_cache("auto", "block", 1) and not use_cache("auto", "prenorm", 2) and not use_cache("off", "block", 2)
+    assert use_cache("on", "block", 1)
+    with pytest.raises(ValueError, match=r"run.pp_cache='on' keeps the completed sources of the AttnRes family"):
+        use_cache("on", "mhc", 2)
 
 
 def test_stages_cover_the_sublayers_as_given_or_evenly():
@@ -74,6 +178,11 @@ def test_bad_stage_layouts_are_refused(call, message):
     (["run.pp_size=2", "run.grad_accum=2"], "grad_accum is not supported with it"),
     (["run.pp_size=2", "run.pp_schedule=zbv", "run.pp_stages_per_rank=3"], "runs exactly 2 stages per rank, given 3"),
     (["run.pp_microbatches=2"], "apply to a pipelined run: set run.pp_size > 1"),
+    (["run.pp_cache=on"], "apply to a pipelined run: set run.pp_size > 1"),
+    (["run.pp_size=2", "run.pp_cache=sometimes"], "run.pp_cache='sometimes' must be one of"),
+    (["run.pp_size=2", "model.residual=prenorm", "run.pp_cache=on"],
+     "run.pp_cache='on' keeps the completed sources of the AttnRes family ('full', 'block', 'delta'); "
+     "model.residual='prenorm'"),
 ])
 def test_bad_pipeline_options_are_refused_before_any_work(sets, message):
     from attnres.train.config import apply_override, tiny

@@ -17,7 +17,8 @@ import torch
 
 from ..model import ModelConfig
 from ..streams import build_stream
-from .pipeline import SCHEDULES, check_pipeline
+from .pipeline import SCHEDULES, check_pipeline, stages_per_rank
+from .stage_cache import use_cache
 
 
 @dataclass
@@ -66,7 +67,9 @@ class RunConfig:
     ``k * pp_size`` ranks runs ``k`` copies side by side, data parallel): ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved1f1b``, ``loopedbfs``,
     ``zbv``, ``dualpipev``), ``pp_microbatches`` per step (default: the number of stages),
     ``pp_stages_per_rank`` (default 1 for ``gpipe``/``1f1b``, 2 for the others), ``pp_split``
-    (sublayers per stage; default as even as they go).
+    (sublayers per stage; default as even as they go), ``pp_cache`` (``auto``, ``on``, ``off``:
+    the cross-stage cache of completed sources, ``train/stage_cache.py``; ``auto`` turns it on
+    for the AttnRes family with several stages per rank).
     """
 
     steps: int = 400
@@ -87,6 +90,7 @@ class RunConfig:
     pp_microbatches: int | None = None
     pp_stages_per_rank: int | None = None
     pp_split: tuple[int, ...] | None = None
+    pp_cache: str = "auto"
     out_dir: str = "runs"
     name: str = ""
     tensorboard: bool = True
@@ -120,9 +124,10 @@ class TrainConfig:
                 raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
         if r.pp_size > 1:
             self._check_pipeline()
-        elif r.pp_split is not None or r.pp_microbatches is not None or r.pp_stages_per_rank is not None:
-            raise ValueError("run.pp_split, run.pp_microbatches and run.pp_stages_per_rank apply to a pipelined run: "
-                             "set run.pp_size > 1")
+        elif (r.pp_split is not None or r.pp_microbatches is not None or r.pp_stages_per_rank is not None
+              or r.pp_cache != "auto"):
+            raise ValueError("run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and run.pp_cache apply to a "
+                             "pipelined run: set run.pp_size > 1")
         with torch.device("meta"):  # the residual options, checked by the stream itself, on no memory
             build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
 
@@ -136,6 +141,7 @@ class TrainConfig:
         try:
             check_pipeline(r.pp_schedule, r.pp_size, m.num_sublayers, r.batch_size, r.pp_microbatches,
                            r.pp_stages_per_rank, r.pp_split)
+            use_cache(r.pp_cache, m.residual, stages_per_rank(r.pp_schedule, r.pp_stages_per_rank))
         except ValueError as err:
             raise ValueError(f"run.pp_size={r.pp_size}, run.pp_schedule={r.pp_schedule!r}: {err}") from None
 
@@ -224,6 +230,7 @@ FIELDS: dict[str, Range | Choice] = {
     "run.pp_schedule": Choice(SCHEDULES),
     "run.pp_microbatches": _count(none=True),
     "run.pp_stages_per_rank": _count(none=True),
+    "run.pp_cache": Choice(("auto", "on", "off")),
 }
 
 

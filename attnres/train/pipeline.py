@@ -14,6 +14,9 @@ writes it. Parameters read by several stages (the stream's per-site rows, Delta'
 tied embeddings) need no other care. Beside the pipeline, data parallelism runs copies of it on
 a 2-D device mesh ``(dp, pp)``, each on its part of the batch, their gradients averaged.
 
+With several stages per rank and the AttnRes family, the cross-stage cache (``stage_cache``)
+keeps on each rank the completed sources it has seen, and a hop sends only the others.
+
 Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; ``v >= 2`` for the looped
 schedules (``interleaved1f1b``, ``loopedbfs``), rank ``r`` holding stages ``r, r + P, ...``; exactly
 two for the V schedules (``zbv``, ``dualpipev``), rank ``r`` holding ``r`` and ``2P - 1 - r``.
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import Transformer, lm_loss
+from .stage_cache import SourceCache, sources_held, use_cache
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
 #: schedules that run several stages on every rank, and those of them that place two in a V
@@ -118,28 +122,67 @@ def boundary_layout(model: Transformer, cut: int) -> int:
 class StageModule(nn.Module):
     """Sublayers ``first .. last - 1`` of ``model``; its forward takes the tokens ``[B, T]``
     (the first stage) or the tensors the stage before sent, and returns the logits (the last
-    stage) or the tensors to send on."""
+    stage) or the tensors to send on.
 
-    def __init__(self, model: Transformer, first: int, last: int):
+    With a ``cache`` (``stage_cache.SourceCache``, one per rank): the stage reads completed
+    sources ``0 .. held - 1`` from the rank's cache instead of receiving them, sends sources from
+    ``send_from`` on, registers the sources that enter the rank here when a later stage of the
+    rank will read them (``keeps``) and frees the micro-batch's cache after reading it
+    (``frees``, the rank's last stage). The forward then takes ``microbatch``, the index of the
+    micro-batch (a one-element tensor, which the schedule splits like the batch)."""
+
+    def __init__(self, model: Transformer, first: int, last: int, index: int = 0, cache: SourceCache | None = None,
+                 held: int = 0, send_from: int = 0, keeps: bool = False, frees: bool = False):
         super().__init__()
-        self.model, self.first, self.last = model, first, last
+        self.model, self.first, self.last, self.index = model, first, last, index
         self.is_first, self.is_last = first == 0, last == model.config.num_sublayers
         self.completed = 0 if self.is_first else boundary_layout(model, first)
+        self.cache, self.held, self.send_from, self.keeps, self.frees = cache, held, send_from, keeps, frees
 
-    def forward(self, *inputs: torch.Tensor):
-        model, stream = self.model, self.model.stream
+    def forward(self, *inputs: torch.Tensor, microbatch: torch.Tensor | None = None):
+        model, stream, cache = self.model, self.model.stream, self.cache
+        mb = int(microbatch) if cache is not None else None
         if self.is_first:
             (tokens,) = inputs
             state = stream.init(model.tok_embeddings(tokens))
         else:
-            n = self.completed
-            state = stream.join_state(inputs[:n], inputs[n:], self.first)
+            n = self.completed - self.held
+            received = inputs[:n]
+            if self.keeps:
+                received = cache.own(mb, self.held, received)
+            cached = cache.read(mb, self.held, self.index) if self.held else ()
+            state = stream.join_state((*cached, *received), inputs[n:], self.first)
+        if cache is not None and self.frees:
+            cache.drop(mb)
         T = inputs[0].shape[1]
         state = model.run_sublayers(state, self.first, self.last, model.rope_cos[:T], model.rope_sin[:T])
         if self.is_last:
             return model.lm_head(stream.output(state))
         completed, rest = stream.split_state(state)
-        return (*completed, *rest)
+        if self.keeps:  # the sources completed here, in place (the earlier ones are registered)
+            completed = (*completed[:self.completed], *cache.own(mb, self.completed, completed[self.completed:]))
+        return (*completed[self.send_from:], *rest)
+
+
+def stage_modules(model: Transformer, schedule: str, ranks: int, per_rank: int | None = None, split=None,
+                  caching: bool = False) -> list[StageModule]:
+    """Every stage of ``model`` pipelined over ``ranks`` ranks under ``schedule``, in order; with
+    ``caching``, the stages of one rank share its ``SourceCache`` and each hop carries only the
+    completed sources the receiving rank does not hold (``stage_cache.sources_held``)."""
+    n_stages = ranks * stages_per_rank(schedule, per_rank)
+    bounds = stage_bounds(model.config.num_sublayers, n_stages, split)
+    placed = {s: r for r in range(ranks) for s in stage_indices(schedule, r, ranks, per_rank)}
+    owner = [placed[s] for s in range(n_stages)]
+    held = sources_held(owner, [boundary_layout(model, last) for _, last in bounds]) if caching else [0] * n_stages
+    caches = [SourceCache() if caching else None for _ in range(ranks)]
+    modules = []
+    for index, (first, last) in enumerate(bounds):
+        on_rank = [s for s in range(n_stages) if owner[s] == owner[index]]
+        reads_later = any(s > index + 1 for s in on_rank)  # a later stage of the rank reads its cache
+        modules.append(StageModule(model, first, last, index, caches[owner[index]], held=held[index],
+                                   send_from=held[index + 1] if index + 1 < n_stages else 0,
+                                   keeps=caching and reads_later, frees=caching and index == on_rank[-1]))
+    return modules
 
 
 @dataclass
@@ -153,6 +196,8 @@ class Pipeline:
     group: dist.ProcessGroup | None
     #: the replicas of this pipeline (data parallelism beside it), or None
     replicas: dist.ProcessGroup | None = None
+    #: this rank's cross-stage cache of completed sources, or None
+    cache: SourceCache | None = None
 
     @property
     def has_first(self) -> bool:
@@ -171,7 +216,12 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = dict(target=y, losses=losses, return_outputs=False) if self.has_last else {}
+        if self.cache is not None:  # every stage learns which micro-batch it runs
+            kwargs["microbatch"] = torch.arange(self.microbatches, device=x.device)
+            self.cache.clear()
         self.schedule.step(*args, **kwargs)
+        if self.cache is not None:
+            self.cache.clear()
         for p in self.model.parameters():
             if not p.requires_grad:
                 continue
@@ -195,14 +245,16 @@ class Pipeline:
 
 def build_pipeline(model: Transformer, schedule: str, microbatches: int | None = None, *, per_rank: int | None = None,
                    split=None, group: dist.ProcessGroup | None = None, replicas: dist.ProcessGroup | None = None,
-                   device: torch.device | None = None) -> Pipeline:
+                   device: torch.device | None = None, cache: str = "auto") -> Pipeline:
     """This rank's stages of ``model`` over the ranks of ``group`` (default: every rank) and
     ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step (default: one
     per stage). ``replicas``: the ranks holding the same stages in the other copies of the
     pipeline (data parallelism beside it; each feeds its own part of the batch), whose
     gradients are averaged.
     ``per_rank``: stages per rank (``stages_per_rank``); ``split``: sublayers per stage
-    (default: as even as they go)."""
+    (default: as even as they go); ``cache``: the cross-stage cache of completed sources
+    (``stage_cache``), ``auto`` (on for the AttnRes family with several stages per rank),
+    ``on`` or ``off``."""
     from torch.distributed import pipelining as pp
 
     if model.config.moe_experts:
@@ -211,23 +263,23 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     n_stages, microbatches = check_pipeline(schedule, ranks, model.config.num_sublayers, None, microbatches,
                                             per_rank, split)
-    indices = stage_indices(schedule, rank, ranks, per_rank)
-    bounds = stage_bounds(model.config.num_sublayers, n_stages, split)
+    caching = use_cache(cache, model.config.residual, stages_per_rank(schedule, per_rank))
+    modules = stage_modules(model, schedule, ranks, per_rank, split, caching)
     device = device or model.lm_head.weight.device
     stages = []
-    for index in indices:
+    for index in stage_indices(schedule, rank, ranks, per_rank):
+        module = modules[index]
         kwargs = {}
         if schedule in V_SHAPED:
             # these schedules split each backward into an input and a weight part; a stage that
             # reads one parameter at several points (the stream's per-site rows) cannot run the
             # weight part alone here, so the whole backward runs in the input part
             kwargs["dw_builder"] = lambda: (lambda: None)
-        stages.append(pp.PipelineStage(StageModule(model, *bounds[index]), index, n_stages, device, group=group,
-                                       **kwargs))
+        stages.append(pp.PipelineStage(module, index, n_stages, device, group=group, **kwargs))
     cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved1f1b": pp.ScheduleInterleaved1F1B,
            "loopedbfs": pp.ScheduleLoopedBFS, "zbv": pp.ScheduleZBVZeroBubble,
            "dualpipev": pp.ScheduleDualPipeV}[schedule]
     # the gradients are scaled once, after the step: two local stages share the model's parameters
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)
-    return Pipeline(model, run, stages, microbatches, group, replicas)
+    return Pipeline(model, run, stages, microbatches, group, replicas, module.cache)

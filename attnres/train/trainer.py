@@ -304,7 +304,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     wrapped = model if pipelined else dist.wrap(model, r.parallel, info)
     forward = torch.compile(wrapped) if r.compile else wrapped
     pipe = (build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank, split=r.pp_split,
-                           group=pipeline_group, replicas=replicas, device=info.device) if pipelined else None)
+                           group=pipeline_group, replicas=replicas, device=info.device, cache=r.pp_cache)
+            if pipelined else None)
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))

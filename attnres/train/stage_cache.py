@@ -1,0 +1,129 @@
+"""The cross-stage cache of completed sources, for a pipeline whose ranks hold several stages.
+
+A rank that holds stages ``p < s`` meets every micro-batch twice; when stage ``s`` runs, the rank
+already holds every source completed before ``p`` ended. So a hop into ``s`` carries only the
+sources completed since (and the rest of the state: the partial sum, Delta's ``h``): for Block
+AttnRes with 8 virtual stages on 4 ranks, the last hop carries the blocks of three stages instead
+of all of them.
+
+Per micro-batch, ``SourceCache`` keeps one ``Entry`` per completed source the rank has produced
+or received: its value and the gradient that the rank's later stages compute for it. The stage
+where a source entered the rank owns its entry; a later stage reads the value as a fresh leaf
+whose gradient is added to the entry. In the owner's backward (which runs after every later
+stage's, the gradients flowing back through them), the entry's gradient joins the source's, and
+the sum goes back to the stage before once, as any input gradient does.
+
+Summed this way, a cached source's gradient adds the rank's later stages' part to the rest in
+another order than one process does; fp32 addition is not associative, so the result agrees
+with ``pp_cache=off`` to round-off, not bit for bit (measured in ``tests/test_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the designs whose sources, once completed, never change: what the cache can hold
+CACHED_RESIDUALS = ("full", "block", "delta")
+
+
+def use_cache(setting: str, residual: str, stages_per_rank: int) -> bool:
+    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the AttnRes family with
+    more than one stage per rank). ``on`` for a design without completed sources is refused."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"run.pp_cache={setting!r} must be one of ('auto', 'on', 'off')")
+    if setting == "on" and residual not in CACHED_RESIDUALS:
+        raise ValueError(f"run.pp_cache='on' keeps the completed sources of the AttnRes family {CACHED_RESIDUALS}; "
+                         f"model.residual={residual!r} sends one state that changes at every sublayer")
+    if setting == "auto":
+        return residual in CACHED_RESIDUALS and stages_per_rank > 1
+    return setting == "on"
+
+
+def sources_held(owner: list[int], completed_after: list[int]) -> list[int]:
+    """For each stage ``s``, how many leading completed sources its rank holds when ``s`` runs:
+    all those completed by the end of the rank's latest stage before ``s - 1`` (0 if none).
+    ``owner[s]``: the rank of stage ``s``; ``completed_after[s]``: the completed sources at its
+    end. A stage ``s - 1`` on the same rank (the turn of a V) is not counted: that hop hands its
+    tensors over in memory and costs nothing to send whole."""
+    held = []
+    for s, rank in enumerate(owner):
+        earlier = [p for p in range(s - 1) if owner[p] == rank]
+        held.append(completed_after[earlier[-1]] if earlier else 0)
+    return held
+
+
+class Entry:
+    """A cached source: ``value`` (detached) and ``grad``, the sum of the gradients the rank's
+    later stages computed for it (None until one did)."""
+
+    __slots__ = ("value", "grad")
+
+    def __init__(self, value: torch.Tensor):
+        self.value, self.grad = value, None
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.grad = grad if self.grad is None else self.grad + grad
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class _WithHeldGradient(torch.autograd.Function):
+    """Identity forward; the backward adds what the rank's later stages left in the entry."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, entry: Entry) -> torch.Tensor:
+        ctx.entry = entry
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        held = ctx.entry.take()
+        return (grad if held is None else grad + held), None
+
+
+class SourceCache:
+    """The completed sources one rank holds, per micro-batch: ``own`` registers the sources
+    that enter the rank at a stage, ``read`` gives a later stage the first ``count``, ``drop``
+    frees a micro-batch's after its last stage on the rank has read them."""
+
+    def __init__(self):
+        self._held: dict[int, dict[int, Entry]] = {}
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def own(self, microbatch: int, first: int, sources) -> list[torch.Tensor]:
+        """Register ``sources`` as completed sources ``first, first + 1, ...`` of
+        ``microbatch``; returns them to be used in their place (their backward adds the
+        gradients of the rank's later stages)."""
+        held = self._held.setdefault(microbatch, {})
+        used = []
+        for j, source in enumerate(sources, first):
+            entry = held[j] = Entry(source.detach())
+            used.append(_WithHeldGradient.apply(source, entry) if source.requires_grad else source)
+        return used
+
+    def read(self, microbatch: int, count: int, stage: int) -> list[torch.Tensor]:
+        """Completed sources ``0 .. count - 1`` of ``microbatch``, each a fresh leaf whose
+        gradient goes to its entry."""
+        held = self._held.get(microbatch, {})
+        missing = [j for j in range(count) if j not in held]
+        if missing:
+            raise RuntimeError(f"stage {stage} reads cached sources {missing} of micro-batch {microbatch}, which its "
+                               f"rank has not seen: a rank runs a micro-batch's stages in order")
+        leaves = []
+        for j in range(count):
+            entry = held[j]
+            leaf = entry.value.detach().requires_grad_(torch.is_grad_enabled())
+            if leaf.requires_grad:
+                leaf.register_hook(entry.add)
+            leaves.append(leaf)
+        return leaves
+
+    def drop(self, microbatch: int) -> None:
+        self._held.pop(microbatch, None)
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._held.values())
