@@ -290,3 +290,28 @@ def test_double_backward_through_the_kernels_raises():
     # the query reaches g only through the kernels' backward, whose outputs carry no graph
     with pytest.raises(RuntimeError, match="differentiate twice|appears to not have been used in the graph"):
         torch.autograd.grad(g.sum(), [query])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
+@pytest.mark.parametrize("norm", ["none", "gain", "no-gain"])
+def test_decode_read_equals_the_reference(dtype, score, key_norm, heads, gated, norm):
+    """A decode pass's read (one kernel call over the buffer's first ``count`` sources, Delta's
+    ``base + gate * mix``, the read's norm) against the naive backend's: every count from one
+    source to the buffer's capacity less one, two sequences of one position."""
+    g = torch.Generator().manual_seed(heads + 10 * gated)
+    buffer = torch.randn(6, 2, 1, 16, generator=g, dtype=dtype) * torch.arange(1, 7, dtype=dtype).view(6, 1, 1, 1)
+    query = torch.randn(16, generator=g, dtype=dtype)
+    base = torch.randn(2, 1, 16, generator=g, dtype=dtype) if gated else None
+    weight = 1 + 0.3 * torch.randn(16, generator=g, dtype=dtype)
+    read_norm = {"none": None, "gain": Norm(weight), "no-gain": Norm(None)}[norm]
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
+    for count in range(1, 6):
+        args = dict(heads=heads, eps=1e-6, score=score, key_norm=key_norm, base=base, gate=0.7, norm=read_norm)
+        got = backend("cpu").decode_read(buffer, count, query, **args)
+        want = backend("naive").decode_read(buffer, count, query, **args)
+        assert got.dtype == dtype and got.shape == (2, 1, 16)
+        torch.testing.assert_close(got, want, **tol)

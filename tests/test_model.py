@@ -39,6 +39,35 @@ def test_kv_cache_logits_equal_full_forward(design):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "naive", "torch"])
+def test_decoding_without_autograd_equals_the_full_forward_on_every_backend(design, backend):
+    """The passes of generation (autograd off, one position per sequence after the prompt):
+    the AttnRes family reads its sources from one buffer (``DecodeState``) on the backends that
+    decode (cpu, naive) and routes as in training on the others. The logits of a prompt of 4
+    then 6 single positions, batch 2, equal the full forward's within fp32 round-off, across the
+    block boundaries of every design (blocks of 2 and 3 sublayers, uneven ones, 6 sublayers)."""
+    from attnres.streams.attnres import DecodeState
+
+    options = {} if DESIGNS[design]["residual"] in ("prenorm", "hc", "mhc", "gr") else {"backend": backend}
+    if not options and backend != "cpu":
+        pytest.skip("a design without depth routing has no backend")
+    if design == "full-input-query" and backend != "naive":
+        pytest.skip("input-dependent queries run on the naive backend only")
+    model = tiny_model(design, **options).eval()
+    randomize_stream(model)
+    x = tokens(t=10)
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache(2, 10)
+        parts = [model(x[:, :4], cache=cache, start_pos=0)]
+        parts += [model(x[:, t:t + 1], cache=cache, start_pos=t) for t in range(4, 10)]
+        decodes = type(model.stream.init(torch.zeros(2, 1, 32))) is DecodeState
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat(parts, 1).argmax(-1), full.argmax(-1))
+    family = options and design != "full-input-query"
+    assert decodes == bool(family and backend in ("cpu", "naive")), (design, backend)
+
+
 def test_greedy_generate_matches_argmax_of_full_forwards(design):
     model = tiny_model(design).eval()
     randomize_stream(model)

@@ -55,6 +55,8 @@ class Backend:
     traceable: bool = True
     #: offers ``score_source``/``attend_scored`` (inference: each source scored once)
     scores_ahead: bool = False
+    #: offers ``decode_read`` (a decode pass: each read one call over a buffer of the sources)
+    decodes: bool = False
     #: why it cannot run on this machine (not installed, failed build), or None
     setup: Callable[[], str | None] | None = None
     #: imported with the registry (so that no import happens while torch.compile traces); False
@@ -111,9 +113,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
             preload=False),
     Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64), traceable=False,
-            scores_ahead=True, setup=cpu_build.build_problem),
+            scores_ahead=True, decodes=True, setup=cpu_build.build_problem),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
-    Backend("naive", per_token_query=True),
+    Backend("naive", per_token_query=True, decodes=True),
 )}
 #: what a ``backend=`` option accepts
 NAMES = ("auto", *BACKENDS)

@@ -78,6 +78,15 @@ class DepthRouter:
         scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
         return RoutingMemo(backend.name, (), () if scoring else None, None)
 
+    def decoder(self, like: torch.Tensor):
+        """The backend module that runs a decode pass over sources like ``like`` (``decode_read``),
+        or None: a decode pass runs with autograd off and static queries on a backend that
+        ``decodes`` (the one ``start`` would pick)."""
+        if torch.is_grad_enabled() or self.per_token_query:
+            return None
+        backend = pick(self.backend, Request(like.device.type, like.dtype, self.score, self.key_norm, False))
+        return MODULES[backend.name] if backend.decodes else None
+
     def add_source(self, memo: RoutingMemo, source: torch.Tensor, queries: torch.Tensor,
                    gains: torch.Tensor | None, first_site: int, tokens: torch.Size | None = None):
         """``(source, memo)`` with ``source`` ``[..., D]`` completed: prepared once for every

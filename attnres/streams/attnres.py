@@ -32,6 +32,28 @@ from .base import Stream, Trace, resolve_block_sizes
 QUERIES = ("static", "input")
 
 
+class DecodeState(NamedTuple):
+    """The state of a decode pass: autograd off, one position per sequence, on a backend that
+    ``decodes`` (``DepthRoutingStream._begin_decode``). The pass's sources sit one after
+    another in one buffer, so that a read is one ``decode_read`` call and a write one in-place
+    op, with nothing prepared or scored per source.
+
+    ``sources``: ``[capacity, ..., D]``, the completed sources in order (Delta: ``null``
+    first), then, when ``open``, the open block's partial sum in ``sources[count]``;
+    ``written``: the sublayers written; ``queries``: ``[M + 1, D]``, this pass's pseudo-queries
+    with the key-norm gains folded in; ``fns``: the backend's module; ``h``: Delta's additive
+    stream (a buffer of its own) and ``gates``: Delta's gates as numbers."""
+
+    sources: torch.Tensor
+    count: int
+    open: bool
+    written: int
+    queries: torch.Tensor
+    fns: object
+    h: torch.Tensor | None = None
+    gates: list | None = None
+
+
 class DepthRoutingStream(Stream):
     """Parameters and the routing call shared by the AttnRes family.
 
@@ -95,6 +117,30 @@ class DepthRoutingStream(Stream):
         """``(source, memo)`` with ``source`` completed before sublayer ``first_site``."""
         return self.router.add_source(memo, source, self.pseudo_queries, self.key_gains, first_site, tokens)
 
+    def _begin_decode(self, e: torch.Tensor, capacity: int) -> DecodeState | None:
+        """An empty ``DecodeState`` for ``capacity`` sources over data like ``e`` ``[..., 1, D]``,
+        or None when this pass is not a decode pass (autograd on, several positions per
+        sequence, input-dependent queries, or a backend without ``decode_read``): it then routes
+        as every other pass does."""
+        if e.ndim < 2 or e.shape[-2] != 1:
+            return None
+        fns = self.router.decoder(e)
+        if fns is None:
+            return None
+        queries = self.pseudo_queries if self.key_gains is None else self.pseudo_queries * self.key_gains
+        return DecodeState(e.new_empty((capacity, *e.shape)), 0, False, 0, queries.to(e.dtype).contiguous(), fns)
+
+    def _decode_read(self, state: DecodeState, site: int, norm, base: torch.Tensor | None = None,
+                     gate: float = 0.0) -> torch.Tensor:
+        """The read of ``site`` over the decode pass's sources (the partial last, when open)."""
+        return state.fns.decode_read(state.sources, state.count + state.open, state.queries[site], base=base,
+                                     gate=gate, norm=norm, **self.router.options)
+
+    @staticmethod
+    def _decode_sources(state: DecodeState) -> list[torch.Tensor]:
+        """The decode pass's sources as a list (a traced read routes them on the reference path)."""
+        return list(state.sources[:state.count + state.open])
+
     def _route(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
                trace: Trace | None = None) -> torch.Tensor:
         """``h = sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site`` (before
@@ -137,28 +183,40 @@ class FullAttnResStream(DepthRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def _init(self, e: torch.Tensor) -> FullState:
+    def _init(self, e: torch.Tensor) -> FullState | DecodeState:
+        decode = self._begin_decode(e, self.num_sublayers + 1)
+        if decode is not None:
+            decode.sources[0].copy_(e)
+            return decode._replace(count=1)
         e, memo = self._add_source(self.router.start(e), e, 0)
         return FullState((e,), memo)
 
-    def _read(self, state: FullState, i: int, trace: Trace | None) -> torch.Tensor:
-        return self._finish_read(i, self._route(i, state.sources, state.memo, trace), trace)
+    def _read(self, state: FullState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
+        if type(state) is DecodeState and trace is None:
+            return self._decode_read(state, i, self._site_norm(i))
+        sources = self._decode_sources(state) if type(state) is DecodeState else state.sources
+        return self._finish_read(i, self._route(i, sources, getattr(state, "memo", None), trace), trace)
 
-    def _write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
+    def _write(self, state: FullState | DecodeState, i: int, v: torch.Tensor) -> FullState | DecodeState:
+        if type(state) is DecodeState:
+            state.sources[state.count].copy_(v)
+            return state._replace(count=state.count + 1, written=i + 1)
         v, memo = self._add_source(state.memo, v, i + 1)
         return FullState(state.sources + (v,), memo)
 
-    def _output(self, state: FullState, trace: Trace | None) -> torch.Tensor:
-        site = self.num_sublayers
-        return self._finish_read(site, self._route(site, state.sources, state.memo, trace), trace)
+    def _output(self, state: FullState | DecodeState, trace: Trace | None) -> torch.Tensor:
+        return self._read(state, self.num_sublayers, trace)
 
-    def _hidden(self, state: FullState) -> tuple[torch.Size, torch.device]:
-        return state.sources[0].shape, state.sources[0].device
+    def _hidden(self, state: FullState | DecodeState) -> tuple[torch.Size, torch.device]:
+        first = state.sources[0]
+        return first.shape, first.device
 
-    def _written(self, state: FullState) -> int:
-        return len(state.sources) - 1
+    def _written(self, state: FullState | DecodeState) -> int:
+        return state.written if type(state) is DecodeState else len(state.sources) - 1
 
-    def split_state(self, state: FullState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def split_state(self, state: FullState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if type(state) is DecodeState:
+            return tuple(self._decode_sources(state)), ()
         return state.sources, ()
 
     def _join_state(self, completed, rest, i: int) -> FullState:
@@ -302,6 +360,18 @@ class BlockRoutingStream(DepthRoutingStream):
         state = self._open_block(state, self._block_start(i))
         return BlockState(state.blocks, partial, state.memo, i)
 
+    def _advance_decode(self, state: DecodeState, i: int, v: torch.Tensor) -> DecodeState:
+        """``_advance`` in a decode pass: the partial sum is built in the slot the block will
+        take, so a closed block is only counted."""
+        slot = state.sources[state.count]
+        if state.open:
+            slot.add_(v)
+        else:
+            slot.copy_(v)
+        if i + 1 in self._ends:
+            return state._replace(count=state.count + 1, open=False, written=i + 1)
+        return state._replace(open=True, written=i + 1)
+
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
@@ -329,25 +399,40 @@ class BlockAttnResStream(BlockRoutingStream):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def _init(self, e: torch.Tensor) -> BlockState:
+    def _init(self, e: torch.Tensor) -> BlockState | DecodeState:
+        decode = self._begin_decode(e, len(self._ends) + 2)  # e, the blocks, an open block
+        if decode is not None:
+            decode.sources[0].copy_(e)
+            return decode._replace(count=1)
         return self._open_block(self._complete(self._begin(e), e, 0), 0)
 
-    def _read(self, state: BlockState, i: int, trace: Trace | None) -> torch.Tensor:
+    def _read(self, state: BlockState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
+        if type(state) is DecodeState:
+            if trace is None:
+                return self._decode_read(state, i, self._site_norm(i))
+            return self._finish_read(i, self._route(i, self._decode_sources(state), None, trace), trace)
         return self._route_block_normed(i, state, trace)
 
-    def _write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
+    def _write(self, state: BlockState | DecodeState, i: int, v: torch.Tensor) -> BlockState | DecodeState:
+        if type(state) is DecodeState:
+            return self._advance_decode(state, i, v)
         return self._advance(state, i, v)
 
-    def _output(self, state: BlockState, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: BlockState | DecodeState, trace: Trace | None) -> torch.Tensor:
+        if type(state) is DecodeState:
+            return self._read(state, self.num_sublayers, trace)
         return self._route_block_normed(self.num_sublayers, state, trace)
 
-    def _hidden(self, state: BlockState) -> tuple[torch.Size, torch.device]:
-        return state.blocks[0].shape, state.blocks[0].device
+    def _hidden(self, state: BlockState | DecodeState) -> tuple[torch.Size, torch.device]:
+        first = state.sources[0] if type(state) is DecodeState else state.blocks[0]
+        return first.shape, first.device
 
-    def _written(self, state: BlockState) -> int:
+    def _written(self, state: BlockState | DecodeState) -> int:
         return state.written
 
-    def split_state(self, state: BlockState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def split_state(self, state: BlockState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if type(state) is DecodeState:
+            return tuple(state.sources[:state.count]), tuple(state.sources[state.count:state.count + state.open])
         return state.blocks, (() if state.partial is None else (state.partial,))
 
     def _join_state(self, completed, rest, i: int) -> BlockState:

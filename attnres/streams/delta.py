@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attnres import BlockRoutingStream, BlockState
+from .attnres import BlockRoutingStream, BlockState, DecodeState
 from .base import Trace, record_rms
 
 
@@ -48,37 +48,54 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gates)
 
-    def _init(self, e: torch.Tensor) -> DeltaState:
+    def _init(self, e: torch.Tensor) -> DeltaState | DecodeState:
+        decode = self._begin_decode(e, len(self._ends) + 3)  # null, e, the blocks, an open block
+        if decode is not None:
+            decode.sources[0].copy_(self.null.to(e.dtype).expand_as(e))
+            decode.sources[1].copy_(e)
+            return decode._replace(count=2, h=e.clone(), gates=self.gates.tolist())
         # the null source comes first: one vector for every token, prepared and scored once
         routed = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
         return DeltaState(e, self._open_block(self._complete(routed, e, 0), 0))
 
-    def _read_site(self, site: int, state: DeltaState, trace: Trace | None) -> torch.Tensor:
-        routed = self._route_block(site, state.routed, trace)
+    def _read_site(self, site: int, state: DeltaState | DecodeState, trace: Trace | None) -> torch.Tensor:
+        if type(state) is DecodeState:
+            norm = self._site_norm(site) if self.own_norms else None
+            if trace is None:
+                return self._decode_read(state, site, norm, base=state.h, gate=state.gates[site])
+            routed = self._route(site, self._decode_sources(state), None, trace)
+        else:
+            routed = self._route_block(site, state.routed, trace)
         u = state.h + self.gates[site].to(state.h.dtype) * routed
         if not self.own_norms:
             record_rms(site, u, trace)
             return u
         return self._finish_read(site, u, trace)
 
-    def _read(self, state: DeltaState, i: int, trace: Trace | None) -> torch.Tensor:
+    def _read(self, state: DeltaState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
         return self._read_site(i, state, trace)
 
-    def _write(self, state: DeltaState, i: int, v: torch.Tensor) -> DeltaState:
+    def _write(self, state: DeltaState | DecodeState, i: int, v: torch.Tensor) -> DeltaState | DecodeState:
+        if type(state) is DecodeState:
+            state.h.add_(v)
+            return self._advance_decode(state, i, v)
         return DeltaState(state.h + v, self._advance(state.routed, i, v))
 
-    def _output(self, state: DeltaState, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: DeltaState | DecodeState, trace: Trace | None) -> torch.Tensor:
         return self._read_site(self.num_sublayers, state, trace)
 
-    def _hidden(self, state: DeltaState) -> tuple[torch.Size, torch.device]:
+    def _hidden(self, state: DeltaState | DecodeState) -> tuple[torch.Size, torch.device]:
         return state.h.shape, state.h.device
 
-    def _written(self, state: DeltaState) -> int:
-        return state.routed.written
+    def _written(self, state: DeltaState | DecodeState) -> int:
+        return state.written if type(state) is DecodeState else state.routed.written
 
-    def split_state(self, state: DeltaState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def split_state(self, state: DeltaState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Completed: e and the blocks (the null source is a parameter, not state); the rest:
         the additive stream ``h``, then the partial sum when there is one."""
+        if type(state) is DecodeState:
+            end = state.count + state.open
+            return tuple(state.sources[1:state.count]), (state.h, *state.sources[state.count:end])
         routed = state.routed
         return routed.blocks[1:], (state.h,) + (() if routed.partial is None else (routed.partial,))
 

@@ -23,5 +23,10 @@ A backend whose registry line says ``scores_ahead`` also offers, for inference::
     score_source(source, queries, gains=None, *, heads, eps, key_norm, prepared=None) -> [..., K, H]
     attend_scored(scores, sources, *, score, norm=None) -> (outs, lse)
 
+A backend whose registry line says ``decodes`` also offers, for a decode pass (autograd off, one
+position per sequence), whose sources the stream keeps one after another in one buffer::
+
+    decode_read(sources, count, query, *, heads, eps, score, key_norm, base=None, gate=0.0, norm=None) -> out
+
 What each backend accepts (devices, dtypes, ablations) is declared in ``ops.registry``.
 """

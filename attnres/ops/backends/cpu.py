@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 from .common import apply_depth_function, compute_dtype, fold_gain, key_inverse_rms, prepare, score_source, split_query_grad, stack_scores
 from .cpu_build import load_library
 
-__all__ = ["attend", "attend_scored", "merge", "prepare", "score_source"]
+__all__ = ["attend", "attend_scored", "decode_read", "merge", "prepare", "score_source"]
 
 _P = ctypes.POINTER
 
@@ -324,3 +324,42 @@ def attend_scored(scores, sources, *, score="softmax", norm=None):
     norm = None if norm is None else (norm.weight, norm.eps)
     outs, lse, _, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm, logits=logits)
     return outs, lse
+
+
+_DECODE_ARGS = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_double,
+                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_double, ctypes.c_int32, ctypes.c_void_p,
+                                       ctypes.c_double, ctypes.c_void_p, ctypes.c_int32]
+_decode_kernels: dict[torch.dtype, object] = {}
+
+
+def _decode_kernel(dtype: torch.dtype):
+    """The decode read's C function for ``dtype``, its argument types declared once (ctypes
+    then converts plain numbers without building a structure per call)."""
+    fn = _decode_kernels.get(dtype)
+    if fn is None:
+        fn = getattr(load_library(), "attnres_decode_read_" + _suffix(dtype))
+        fn.argtypes, fn.restype = _DECODE_ARGS, None
+        _decode_kernels[dtype] = fn
+    return fn
+
+
+@torch.no_grad()
+def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", key_norm=True, base=None, gate=0.0,
+                norm=None):
+    """One read of a decode pass in one kernel call (the naive backend's ``decode_read``: the
+    same arguments and result). ``sources`` must be contiguous; ``query``, ``base`` and the
+    norm's gain are read in the sources' dtype."""
+    dt, D = sources.dtype, sources.shape[-1]
+    out = torch.empty(sources.shape[1:], dtype=dt)
+    tokens = out.numel() // D
+    query = query if query.dtype == dt and query.is_contiguous() else query.to(dt).contiguous()
+    if base is not None and (base.dtype != dt or not base.is_contiguous()):
+        base = base.to(dt).contiguous()
+    weight = None if norm is None else norm.weight
+    if weight is not None and weight.dtype != dt:
+        weight = weight.to(dt)
+    _decode_kernel(dt)(tokens, D, heads, count, sources.data_ptr(), tokens * D, query.data_ptr(), int(key_norm), eps,
+                       int(score != "softmax"), None if base is None else base.data_ptr(), float(gate),
+                       int(norm is not None), None if weight is None else weight.data_ptr(),
+                       0.0 if norm is None else norm.eps, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -109,3 +109,18 @@ def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softm
 def prepare(source, *, eps=1e-6, key_norm=True):
     """Nothing: every read normalizes its sources itself."""
     return None
+
+
+def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", key_norm=True, base=None, gate=0.0,
+                norm=None):
+    """One read of a decode pass (autograd off, one position per sequence): ``sources``
+    ``[capacity, ..., D]`` holds the pass's sources one after another, and the first ``count``
+    are read (the open block's partial sum last, when there is one). ``query`` ``[D]``: the
+    site's pseudo-query with its key-norm gain folded in (``query * gain``). Returns
+    ``sum_j alpha_j v_j`` ``[..., D]``, or ``base + gate * sum_j alpha_j v_j`` (Delta: ``base``
+    ``[..., D]``, ``gate`` a number), through ``norm`` (``weight``, ``eps``) when given."""
+    mixed = depth_attention_naive(query, list(sources[:count]), None, heads=heads, eps=eps, score=score,
+                                  key_norm=key_norm)
+    if base is not None:
+        mixed = base + gate * mixed
+    return _normed(mixed, norm)

@@ -18,6 +18,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -414,6 +415,52 @@ void merge_backward(const MergeArgs& a) {
   }
 }
 
+
+// One read of a decode step (autograd off, one position per sequence): the mix of n sources
+// kept one after another in a buffer (source j of token t at src + j * src_stride + t * D, the
+// open block's partial being the last of them), optionally as base + gate * mix (Delta) and
+// through an RMSNorm (has_norm; gain norm_w, or none). Nothing is kept: the logits and weights
+// of a token live in a few numbers on the stack of its loop.
+template <typename F>
+void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* src, int64_t src_stride, const F* qg,
+                 int32_t key_norm, F eps, int32_t sigmoid_score, const F* base, F gate, int32_t has_norm,
+                 const F* norm_w, F norm_eps, F* out, int32_t threads) {
+  const int64_t Dh = D / heads;
+#pragma omp parallel num_threads(threads) if (tokens * n * D >= (1 << 16))
+  {
+    std::vector<F> p(n * heads);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < n; ++j) {
+        const F* v = src + j * src_stride + t * D;
+        const F r = key_norm ? F(1) / std::sqrt(dot(v, v, D) / F(D) + eps) : F(1);
+        for (int64_t h = 0; h < heads; ++h) p[j * heads + h] = r * dot(qg + h * Dh, v + h * Dh, Dh);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        if (sigmoid_score) {
+          for (int64_t j = 0; j < n; ++j) p[j * heads + h] = sigmoid(p[j * heads + h]);
+          continue;
+        }
+        F m = p[h];
+        for (int64_t j = 1; j < n; ++j) m = std::max(m, p[j * heads + h]);
+        F sum = 0;
+        for (int64_t j = 0; j < n; ++j) sum += (p[j * heads + h] = std::exp(p[j * heads + h] - m));
+        for (int64_t j = 0; j < n; ++j) p[j * heads + h] /= sum;
+      }
+      F* y = out + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        scale(p[h], src + t * D + h * Dh, y + h * Dh, Dh);
+        for (int64_t j = 1; j < n; ++j) axpy(p[j * heads + h], src + j * src_stride + t * D + h * Dh, y + h * Dh, Dh);
+      }
+      if (base) {
+        const F* b = base + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) y[d] = b[d] + gate * y[d];
+      }
+      if (has_norm) norm_row(y, norm_w, norm_eps, D, y);
+    }
+  }
+}
 }  // namespace
 
 extern "C" {
@@ -425,4 +472,13 @@ void attnres_merge_forward_f32(const MergeArgs* a) { merge_forward<float>(*a); }
 void attnres_merge_forward_f64(const MergeArgs* a) { merge_forward<double>(*a); }
 void attnres_merge_backward_f32(const MergeArgs* a) { merge_backward<float>(*a); }
 void attnres_merge_backward_f64(const MergeArgs* a) { merge_backward<double>(*a); }
+#define DECODE_READ(NAME, F)                                                                                       \
+  void NAME(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* src, int64_t src_stride, const F* qg,   \
+            int32_t key_norm, double eps, int32_t sigmoid_score, const F* base, double gate, int32_t has_norm,    \
+            const F* norm_w, double norm_eps, F* out, int32_t threads) {                                          \
+    decode_read<F>(tokens, D, heads, n, src, src_stride, qg, key_norm, F(eps), sigmoid_score, base, F(gate),      \
+                   has_norm, norm_w, F(norm_eps), out, threads);                                                  \
+  }
+DECODE_READ(attnres_decode_read_f32, float)
+DECODE_READ(attnres_decode_read_f64, double)
 }
