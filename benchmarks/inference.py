@@ -127,7 +127,7 @@ def main():
     dec = {}
     for batch in args.batch:
         dec_times = {v: [] for v in variants}
-        for _ in range(max(2, args.rounds // 2)):  # decode timing excludes the prefill inside it
+        for _ in range(args.rounds):  # decode timing excludes the prefill inside it
             for v, b in built.items():
                 dec_times[v].append(b[1](batch))
         dec[batch] = ratio_to_own_baseline(dec_times, "prenorm")

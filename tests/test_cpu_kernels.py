@@ -311,7 +311,14 @@ def test_decode_read_equals_the_reference(dtype, score, key_norm, heads, gated, 
     tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
     for count in range(1, 6):
         args = dict(heads=heads, eps=1e-6, score=score, key_norm=key_norm, base=base, gate=0.7, norm=read_norm)
-        got = backend("cpu").decode_read(buffer, count, query, **args)
+        with torch.no_grad():
+            got = backend("cpu").decode_read(buffer, count, query, **args)
         want = backend("naive").decode_read(buffer, count, query, **args)
         assert got.dtype == dtype and got.shape == (2, 1, 16)
         torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernels
+def test_decode_read_refuses_autograd():
+    with pytest.raises(RuntimeError, match=r"decode_read is for a decode pass, with autograd off"):
+        backend("cpu").decode_read(torch.randn(2, 1, 1, 8), 2, torch.randn(8))

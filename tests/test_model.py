@@ -208,6 +208,28 @@ def test_depth_weights_capture():
     assert sorted(trace.read_rms) == list(range(7)) and trace.read_rms[0].shape == (2, 7)
 
 
+@pytest.mark.parametrize("design", ["mhar", "full", "delta"])
+def test_a_traced_decode_pass_routes_its_buffer_on_the_reference(design):
+    """One position per sequence with autograd off runs the decode path; traced, its reads
+    route the buffered sources on the reference path: the same logits, and at every site
+    weights over as many sources as the design has there, summing to 1."""
+    from attnres.streams.attnres import DecodeState
+
+    model = tiny_model(design).eval()  # 6 sublayers; MHAR blocks of 3, Delta of 2 (after null)
+    randomize_stream(model)
+    x = tokens(b=2, t=1)
+    with torch.no_grad():
+        assert type(model.stream.init(torch.zeros(2, 1, 32))) is DecodeState
+        plain = model(x)
+        logits, weights = model(x, return_depth_weights=True)
+    torch.testing.assert_close(logits, plain, atol=1e-5, rtol=1e-5)
+    expected = {"mhar": [1, 2, 2, 2, 3, 3, 3], "full": [1, 2, 3, 4, 5, 6, 7], "delta": [2, 3, 3, 4, 4, 5, 5]}[design]
+    assert sorted(weights) == list(range(7))
+    for site, w in weights.items():
+        assert w.shape == (expected[site], 2, 1, model.stream.heads), site
+        torch.testing.assert_close(w.sum(0), torch.ones(2, 1, model.stream.heads))
+
+
 @pytest.mark.parametrize(
     "overrides,match",
     [

@@ -343,12 +343,14 @@ def _decode_kernel(dtype: torch.dtype):
     return fn
 
 
-@torch.no_grad()
 def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", key_norm=True, base=None, gate=0.0,
                 norm=None):
     """One read of a decode pass in one kernel call (the naive backend's ``decode_read``: the
-    same arguments and result). ``sources`` must be contiguous; ``query``, ``base`` and the
-    norm's gain are read in the sources' dtype."""
+    same arguments and result), with autograd off: nothing here is differentiable. ``sources``
+    must be contiguous; ``query``, ``base`` and the norm's gain are read in the sources' dtype."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("decode_read is for a decode pass, with autograd off (torch.no_grad()): the kernel keeps "
+                           "nothing for a backward")
     dt, D = sources.dtype, sources.shape[-1]
     out = torch.empty(sources.shape[1:], dtype=dt)
     tokens = out.numel() // D
