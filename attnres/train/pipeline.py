@@ -141,6 +141,9 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, microbatch: torch.Tensor | None = None):
         model, stream, cache = self.model, self.model.stream, self.cache
+        if cache is not None and microbatch is None:
+            raise ValueError(f"stage {self.index} reads and fills its rank's cache of sources: call it with "
+                             f"microbatch=<the micro-batch's index>, as Pipeline.step does")
         mb = int(microbatch) if cache is not None else None
         if self.is_first:
             (tokens,) = inputs
