@@ -2,8 +2,9 @@
 
 Prefill: batch 1, a 1024-token prompt, one forward (no_grad). Decode: batch 1 and 8 (``--batch``),
 128 tokens generated one at a time after a 1024-token prompt, with the KV cache (the residual
-state is per token, so nothing else is cached). Same model as benchmarks/train_step.py; ratios
-per round against ``prenorm`` in the same run.
+state is per token, so nothing else is cached); the variants decode token by token in turn, each
+from its own cache, and a round's time is the sum over its tokens. Same model as
+benchmarks/train_step.py; ratios per round against ``prenorm`` in the same run.
 
 ``--hf``: a Llama of the same shapes (``transformers``, random weights) and its Delta AttnRes
 conversion (``attnres convert``'s model: 8 heads, blocks of 2 layers), greedy ``generate`` with
@@ -65,17 +66,24 @@ def build(variant, prompt_len, new_tokens):
         model(prompt)
 
     @torch.no_grad()
-    def decode(batch: int = 1):
+    def decoder(batch: int = 1):
+        """After the prompt's prefill (not timed), a function that decodes the next token and
+        returns its seconds."""
         prompts = prompt.expand(batch, -1)
         cache = model.new_cache(batch, prompt_len + new_tokens)
         model(prompts, cache=cache, start_pos=0)
-        token = prompts[:, -1:]
-        start = time.perf_counter()
-        for t in range(new_tokens):
-            token = model(token, cache=cache, start_pos=prompt_len + t)[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - start
+        state = dict(token=prompts[:, -1:], pos=prompt_len)
 
-    return prefill, decode
+        @torch.no_grad()
+        def step() -> float:
+            start = time.perf_counter()
+            state["token"] = model(state["token"], cache=cache, start_pos=state["pos"])[:, -1].argmax(-1, keepdim=True)
+            state["pos"] += 1
+            return time.perf_counter() - start
+
+        return step
+
+    return prefill, decoder
 
 
 def hf_generate_calls(prompt_len: int = 256, new_tokens: int = 64) -> dict:
@@ -127,9 +135,17 @@ def main():
     dec = {}
     for batch in args.batch:
         dec_times = {v: [] for v in variants}
-        for _ in range(args.rounds):  # decode timing excludes the prefill inside it
-            for v, b in built.items():
-                dec_times[v].append(b[1](batch))
+        for _ in range(args.rounds):
+            # every variant decodes its next token in turn, so that the machine's drift over a
+            # round falls on all of them alike; a round's time is the sum of its tokens'
+            steps = {v: b[1](batch) for v, b in built.items()}
+            spent = dict.fromkeys(variants, 0.0)
+            for _ in range(args.new_tokens):
+                for v, step in steps.items():
+                    spent[v] += step()
+            for v in variants:
+                dec_times[v].append(spent[v])
+            del steps
         dec[batch] = ratio_to_own_baseline(dec_times, "prenorm")
     rows = []
     for v in variants:
