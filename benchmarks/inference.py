@@ -122,6 +122,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default: 1 8)")
     p.add_argument("--hf", action="store_true", help="also time a converted Llama's generate against its source")
+    p.add_argument("--hf-only", action="store_true", help="time only that (--hf), over --rounds rounds")
     p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
                    help="also run every variant on the package at these git revisions")
     p.add_argument("--csv", help="name of the results file under benchmarks/results/ (default: inference, "
@@ -130,6 +131,8 @@ def main():
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
     variants = with_revisions(variants, args.revisions)
     print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
+    if args.hf_only:
+        return hf_table(args, args.csv or "inference")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
     pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
     dec = {}
@@ -163,18 +166,23 @@ def main():
     write_csv(name, rows)
     if args.hf:
         del built
-        calls = hf_generate_calls()
-        for call in calls.values():  # warm-up
-            call()
-        per_token = {v: [] for v in calls}
-        for _ in range(args.rounds):
-            for v, call in calls.items():
-                per_token[v].append(call())
-        summary = ratio_summary(per_token, "hf-llama")
-        hf_rows = [dict(variant=v, generate_ms_per_token=1000 * s["median_s"], vs_source=s["ratio"],
-                        spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}") for v, s in summary.items()]
-        print_table(hf_rows, list(hf_rows[0]))
-        write_csv(f"{name}_hf", hf_rows)
+        hf_table(args, name)
+
+
+def hf_table(args, name: str) -> None:
+    """Time the converted Llama's ``generate`` against its source's; write ``NAME_hf.csv``."""
+    calls = hf_generate_calls()
+    for call in calls.values():  # warm-up
+        call()
+    per_token = {v: [] for v in calls}
+    for _ in range(args.rounds):
+        for v, call in calls.items():
+            per_token[v].append(call())
+    summary = ratio_summary(per_token, "hf-llama")
+    hf_rows = [dict(variant=v, generate_ms_per_token=1000 * s["median_s"], vs_source=s["ratio"],
+                    spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}") for v, s in summary.items()]
+    print_table(hf_rows, list(hf_rows[0]))
+    write_csv(f"{name}_hf", hf_rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run under ``torchrun`` by ``tests/test_pipeline.py``: every case pipelines one training step
-of a tiny model over the ranks (2, or 4 for Block's 8 interleaved stages) and compares it, on every rank, with one process running the same
-micro-batches with gradient accumulation; the AttnRes family under the multi-stage schedules runs
-with the cross-stage cache off and on. Writes ``OUT/rank{r}.json``."""
+of a tiny model over the ranks (2, or 4 for 8 stages of Block) and compares it, on every rank,
+with one process running the same micro-batches with gradient accumulation; the AttnRes family
+under the multi-stage schedules runs with the cross-stage cache off and on. Writes
+``OUT/rank{r}.json``."""
 
 import json
 import sys
@@ -58,14 +59,14 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return dict(loss=float(loss.detach()), ref_loss=float(ref_loss.detach()), max_rel_grad=worst, worst=worst_name,
                 bitwise=bitwise, cached=pipe.cache is not None, received=received_bytes(pipe),
-                left_in_cache=0 if pipe.cache is None else len(pipe.cache)), grads
+                left_in_cache=pipe.held_after_step), grads
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     cases = [(d, s) for s in SCHEDULES for d in DESIGNS] + [(d, s) for s, ds in OTHERS.items() for d in ds]
-    if dist.get_world_size() == 4:  # 8 stages of one sublayer on 4 ranks
-        cases = [("block", "interleaved1f1b")]
+    if dist.get_world_size() == 4:  # 8 stages of one sublayer on 4 ranks, looped and in a V
+        cases = [("block", "interleaved1f1b"), ("block", "zbv")]
     results = {}
     for d, s in cases:
         results[f"{d}/{s}"], off = case(d, s, "off")

@@ -19,6 +19,7 @@ from attnres.ops import registry
 OTHERS = [name for name in BACKENDS if name != registry.REFERENCE]  # tested against naive
 EVERY = list(BACKENDS)  # naive included, where a test checks an invariant of its own
 SCORING = [name for name, b in BACKENDS.items() if b.scores_ahead]
+DECODING = [name for name, b in BACKENDS.items() if b.decodes and name != registry.REFERENCE]
 DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.float64, 1e-12, id="fp64")]
 
 SHAPES = [
@@ -597,3 +598,30 @@ def test_auto_picks_by_device_and_dtype():
         pick("cpu", Request("cpu", torch.bfloat16))
     with pytest.raises(RuntimeError, match="backend='cpu' cannot run: .*CPU tensors, got cuda"):
         pick("cpu", Request("cuda", torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
+@pytest.mark.parametrize("norm", ["none", "gain", "no-gain"])
+@pytest.mark.parametrize("backend", DECODING)
+def test_decode_read_matches_naive(backend, dtype, score, key_norm, heads, gated, norm):
+    """A decode pass's read (one call over the buffer's first ``count`` sources, Delta's
+    ``base + gate * mix``, the read's norm) against the reference: every count from one source
+    to the buffer's capacity less one, two sequences of one position."""
+    fns = use(backend, dtype, score, key_norm)
+    g = torch.Generator().manual_seed(heads + 10 * gated)
+    buffer = torch.randn(6, 2, 1, 16, generator=g, dtype=dtype) * torch.arange(1, 7, dtype=dtype).view(6, 1, 1, 1)
+    query = torch.randn(16, generator=g, dtype=dtype)
+    base = torch.randn(2, 1, 16, generator=g, dtype=dtype) if gated else None
+    weight = 1 + 0.3 * torch.randn(16, generator=g, dtype=dtype)
+    read_norm = {"none": None, "gain": Norm(weight), "no-gain": Norm(None)}[norm]
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
+    for count in range(1, 6):
+        args = dict(heads=heads, eps=1e-6, score=score, key_norm=key_norm, base=base, gate=0.7, norm=read_norm)
+        with torch.no_grad():
+            got = fns.decode_read(buffer, count, query, **args)
+        want = ops.backend("naive").decode_read(buffer, count, query, **args)
+        assert got.dtype == dtype and got.shape == (2, 1, 16)
+        torch.testing.assert_close(got, want, **tol)

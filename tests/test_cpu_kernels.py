@@ -293,29 +293,34 @@ def test_double_backward_through_the_kernels_raises():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
-@pytest.mark.parametrize("heads", [1, 4])
-@pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
-@pytest.mark.parametrize("norm", ["none", "gain", "no-gain"])
-def test_decode_read_equals_the_reference(dtype, score, key_norm, heads, gated, norm):
-    """A decode pass's read (one kernel call over the buffer's first ``count`` sources, Delta's
-    ``base + gate * mix``, the read's norm) against the naive backend's: every count from one
-    source to the buffer's capacity less one, two sequences of one position."""
-    g = torch.Generator().manual_seed(heads + 10 * gated)
-    buffer = torch.randn(6, 2, 1, 16, generator=g, dtype=dtype) * torch.arange(1, 7, dtype=dtype).view(6, 1, 1, 1)
-    query = torch.randn(16, generator=g, dtype=dtype)
-    base = torch.randn(2, 1, 16, generator=g, dtype=dtype) if gated else None
-    weight = 1 + 0.3 * torch.randn(16, generator=g, dtype=dtype)
-    read_norm = {"none": None, "gain": Norm(weight), "no-gain": Norm(None)}[norm]
-    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
-    for count in range(1, 6):
-        args = dict(heads=heads, eps=1e-6, score=score, key_norm=key_norm, base=base, gate=0.7, norm=read_norm)
-        with torch.no_grad():
-            got = backend("cpu").decode_read(buffer, count, query, **args)
-        want = backend("naive").decode_read(buffer, count, query, **args)
-        assert got.dtype == dtype and got.shape == (2, 1, 16)
-        torch.testing.assert_close(got, want, **tol)
+def test_decode_read_splits_many_tokens_over_threads():
+    """Enough work for the kernel's threads (64 sequences of one position, 5 sources of 256):
+    the same read with 1 and 2 threads as the reference."""
+    g = torch.Generator().manual_seed(5)
+    buffer = torch.randn(6, 64, 1, 256, generator=g)
+    query = 0.1 * torch.randn(256, generator=g)
+    want = backend("naive").decode_read(buffer, 5, query, heads=4, norm=Norm(None))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                got = backend("cpu").decode_read(buffer, 5, query, heads=4, norm=Norm(None))
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("count,buffer,base,message", [
+    (0, torch.zeros(3, 2, 1, 8), None, r"given count=0 of \(3, 2, 1, 8\)"),
+    (4, torch.zeros(3, 2, 1, 8), None, r"given count=4 of \(3, 2, 1, 8\)"),
+    (2, torch.zeros(3, 2, 1, 16)[..., ::2], None, r"contiguous=False"),
+    (2, torch.zeros(3, 2, 1, 8), torch.zeros(1, 1, 8), r"base must be one source's shape \(2, 1, 8\), given \(1, 1, 8\)"),
+])
+def test_decode_read_refuses_a_buffer_it_cannot_read(count, buffer, base, message):
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        backend("cpu").decode_read(buffer, count, torch.zeros(8), base=base, gate=0.5)
 
 
 @needs_kernels

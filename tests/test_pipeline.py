@@ -122,19 +122,29 @@ def test_a_hop_carries_what_the_design_needs_and_with_the_cache_only_what_the_ra
     assert checked >= 8
 
 
-def test_four_ranks_of_two_interleaved_stages_with_the_cache(results4):
-    """Block AttnRes in 8 stages of one sublayer on 4 ranks (interleaved 1F1B): the same step as
-    one process with and without the cache; the hop into stage 7 (cut 7: e, B_0, B_1 and the
-    partial) carries 4 tensors without the cache and 2 with it (its rank holds e and B_0 from
-    stage 3)."""
+def test_four_ranks_of_two_stages_with_the_cache_looped_and_in_a_v(results4):
+    """Block AttnRes (blocks of 3) in 8 stages of one sublayer on 4 ranks: the same step as one
+    process with and without the cache, looped (interleaved 1F1B) and in a V (ZBV, rank r holding
+    r and 7 - r, where a stage passes on a source it read from its rank's cache). Tensors per hop,
+    without and with the cache:
+    - looped, into stage 7 (cut 7: e, B_0, B_1 and the partial; rank 3 holds e and B_0 from
+      stage 3): 4 and 2;
+    - V, into stage 5 (cut 5: e, B_0 and the partial; rank 2 holds e and B_0 from stage 2): 3
+      and 1; into stage 6 (e, B_0, B_1; rank 1 holds e from stage 1): 3 and 2; into stage 7
+      (e, B_0, B_1 and the partial; rank 0 holds e): 4 and 3."""
     unit = 2 * 8 * 32 * 4
     for rank in results4:
-        for key in ("block/interleaved1f1b", "block/interleaved1f1b/cache"):
-            r = rank[key]
-            assert r["loss"] == r["ref_loss"] and r["max_rel_grad"] <= 1e-6, (key, r)
-        assert rank["block/interleaved1f1b/cache"]["max_rel_to_off"] <= 1e-6
-    assert results4[3]["block/interleaved1f1b"]["received"]["7"] == 4 * unit
-    assert results4[3]["block/interleaved1f1b/cache"]["received"]["7"] == 2 * unit
+        for schedule in ("interleaved1f1b", "zbv"):
+            for key in (f"block/{schedule}", f"block/{schedule}/cache"):
+                r = rank[key]
+                assert r["loss"] == r["ref_loss"] and r["max_rel_grad"] <= 1e-6, (key, r)
+            assert rank[f"block/{schedule}/cache"]["max_rel_to_off"] <= 1e-6
+            assert rank[f"block/{schedule}/cache"]["left_in_cache"] == 0
+    expected = {("interleaved1f1b", 3, "7"): (4, 2), ("zbv", 2, "5"): (3, 1), ("zbv", 1, "6"): (3, 2),
+                ("zbv", 0, "7"): (4, 3)}
+    for (schedule, rank, stage), (off, on) in expected.items():
+        assert results4[rank][f"block/{schedule}"]["received"][stage] == off * unit, (schedule, stage)
+        assert results4[rank][f"block/{schedule}/cache"]["received"][stage] == on * unit, (schedule, stage)
 
 
 def test_which_sources_a_rank_holds_follows_the_placement():
@@ -144,7 +154,8 @@ def test_which_sources_a_rank_holds_follows_the_placement():
     assert sources_held([0, 1, 1, 0], [1, 2, 3, 4]) == [0, 0, 0, 1]
     assert use_cache("auto", "block", 2) and use_cache("auto", "full", 2) and use_cache("auto", "delta", 3)
     assert not use_cache("auto", "block", 1) and not use_cache("auto", "prenorm", 2) and not use_cache("off", "block", 2)
-    assert use_cache("on", "block", 1)
+    with pytest.raises(ValueError, match=r"with 1 stage per rank there are none"):
+        use_cache("on", "block", 1)
     with pytest.raises(ValueError, match=r"run.pp_cache='on' keeps the completed sources of the AttnRes family"):
         use_cache("on", "mhc", 2)
 
@@ -178,7 +189,9 @@ def test_bad_stage_layouts_are_refused(call, message):
     (["run.pp_size=2", "run.grad_accum=2"], "grad_accum is not supported with it"),
     (["run.pp_size=2", "run.pp_schedule=zbv", "run.pp_stages_per_rank=3"], "runs exactly 2 stages per rank, given 3"),
     (["run.pp_microbatches=2"], "apply to a pipelined run: set run.pp_size > 1"),
-    (["run.pp_cache=on"], "apply to a pipelined run: set run.pp_size > 1"),
+    (["run.pp_cache=on"], "run.pp_cache='on': run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and "
+                          "run.pp_cache apply to a pipelined run: set run.pp_size > 1"),
+    (["run.pp_size=2", "model.residual=block", "run.pp_cache=on"], "with 1 stage per rank there are none"),
     (["run.pp_size=2", "run.pp_cache=sometimes"], "run.pp_cache='sometimes' must be one of"),
     (["run.pp_size=2", "model.residual=prenorm", "run.pp_cache=on"],
      "run.pp_cache='on' keeps the completed sources of the AttnRes family ('full', 'block', 'delta'); "

@@ -78,7 +78,7 @@ class DepthRouter:
         scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
         return RoutingMemo(backend.name, (), () if scoring else None, None)
 
-    def decoder(self, like: torch.Tensor):
+    def decode_backend(self, like: torch.Tensor):
         """The backend module that runs a decode pass over sources like ``like`` (``decode_read``),
         or None: a decode pass runs with autograd off and static queries on a backend that
         ``decodes`` (the one ``start`` would pick)."""

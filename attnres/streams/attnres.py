@@ -39,14 +39,17 @@ class DecodeState(NamedTuple):
     op, with nothing prepared or scored per source.
 
     ``sources``: ``[capacity, ..., D]``, the completed sources in order (Delta: ``null``
-    first), then, when ``open``, the open block's partial sum in ``sources[count]``;
+    first), then, when ``has_partial``, the open block's partial sum in ``sources[count]``;
     ``written``: the sublayers written; ``queries``: ``[M + 1, D]``, this pass's pseudo-queries
     with the key-norm gains folded in; ``fns``: the backend's module; ``h``: Delta's additive
-    stream (a buffer of its own) and ``gates``: Delta's gates as numbers."""
+    stream (a buffer of its own) and ``gates``: Delta's gates as numbers.
+
+    A write changes the buffers in place and returns the next state: an earlier state is spent,
+    as in a forward pass, which uses each state once."""
 
     sources: torch.Tensor
     count: int
-    open: bool
+    has_partial: bool
     written: int
     queries: torch.Tensor
     fns: object
@@ -124,22 +127,29 @@ class DepthRoutingStream(Stream):
         as every other pass does."""
         if e.ndim < 2 or e.shape[-2] != 1:
             return None
-        fns = self.router.decoder(e)
+        fns = self.router.decode_backend(e)
         if fns is None:
             return None
-        queries = self.pseudo_queries if self.key_gains is None else self.pseudo_queries * self.key_gains
-        return DecodeState(e.new_empty((capacity, *e.shape)), 0, False, 0, queries.to(e.dtype).contiguous(), fns)
+        # folded in the math dtype (fp32, or fp64 for fp64), as the other reads fold them
+        dt = torch.promote_types(e.dtype, torch.float32)
+        queries = self.pseudo_queries.to(dt)
+        if self.key_gains is not None:
+            queries = queries * self.key_gains.to(dt)
+        return DecodeState(e.new_empty((capacity, *e.shape)), 0, False, 0, queries.contiguous(), fns)
 
     def _decode_read(self, state: DecodeState, site: int, norm, base: torch.Tensor | None = None,
                      gate: float = 0.0) -> torch.Tensor:
         """The read of ``site`` over the decode pass's sources (the partial last, when open)."""
-        return state.fns.decode_read(state.sources, state.count + state.open, state.queries[site], base=base,
+        return state.fns.decode_read(state.sources, state.count + state.has_partial, state.queries[site], base=base,
                                      gate=gate, norm=norm, **self.router.options)
 
     @staticmethod
-    def _decode_sources(state: DecodeState) -> list[torch.Tensor]:
-        """The decode pass's sources as a list (a traced read routes them on the reference path)."""
-        return list(state.sources[:state.count + state.open])
+    def _decode_sources(state: DecodeState, first: int = 0, end: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Copies of the decode pass's sources ``first .. end - 1`` (default: all, the partial
+        last): a traced read routes them on the reference path and may keep them, and later
+        writes change the buffer in place."""
+        end = state.count + state.has_partial if end is None else end
+        return tuple(source.clone() for source in state.sources[first:end])
 
     def _route(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
                trace: Trace | None = None) -> torch.Tensor:
@@ -216,7 +226,7 @@ class FullAttnResStream(DepthRoutingStream):
 
     def split_state(self, state: FullState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         if type(state) is DecodeState:
-            return tuple(self._decode_sources(state)), ()
+            return self._decode_sources(state), ()
         return state.sources, ()
 
     def _join_state(self, completed, rest, i: int) -> FullState:
@@ -364,13 +374,13 @@ class BlockRoutingStream(DepthRoutingStream):
         """``_advance`` in a decode pass: the partial sum is built in the slot the block will
         take, so a closed block is only counted."""
         slot = state.sources[state.count]
-        if state.open:
+        if state.has_partial:
             slot.add_(v)
         else:
             slot.copy_(v)
         if i + 1 in self._ends:
-            return state._replace(count=state.count + 1, open=False, written=i + 1)
-        return state._replace(open=True, written=i + 1)
+            return state._replace(count=state.count + 1, has_partial=False, written=i + 1)
+        return state._replace(has_partial=True, written=i + 1)
 
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
@@ -432,7 +442,7 @@ class BlockAttnResStream(BlockRoutingStream):
 
     def split_state(self, state: BlockState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         if type(state) is DecodeState:
-            return tuple(state.sources[:state.count]), tuple(state.sources[state.count:state.count + state.open])
+            return self._decode_sources(state, 0, state.count), self._decode_sources(state, state.count)
         return state.blocks, (() if state.partial is None else (state.partial,))
 
     def _join_state(self, completed, rest, i: int) -> BlockState:

@@ -124,10 +124,14 @@ class TrainConfig:
                 raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
         if r.pp_size > 1:
             self._check_pipeline()
-        elif (r.pp_split is not None or r.pp_microbatches is not None or r.pp_stages_per_rank is not None
-              or r.pp_cache != "auto"):
-            raise ValueError("run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and run.pp_cache apply to a "
-                             "pipelined run: set run.pp_size > 1")
+        else:
+            given = [f"run.{name}={value!r}" for name, value, default in (
+                ("pp_split", r.pp_split, None), ("pp_microbatches", r.pp_microbatches, None),
+                ("pp_stages_per_rank", r.pp_stages_per_rank, None), ("pp_cache", r.pp_cache, "auto"))
+                if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and "
+                                 f"run.pp_cache apply to a pipelined run: set run.pp_size > 1")
         with torch.device("meta"):  # the residual options, checked by the stream itself, on no memory
             build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
 

@@ -201,6 +201,9 @@ class Pipeline:
     replicas: dist.ProcessGroup | None = None
     #: this rank's cross-stage cache of completed sources, or None
     cache: SourceCache | None = None
+    #: the entries the cache still held when the last step's schedule ended (0: each
+    #: micro-batch's were freed by its rank's last stage)
+    held_after_step: int = 0
 
     @property
     def has_first(self) -> bool:
@@ -219,11 +222,13 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = dict(target=y, losses=losses, return_outputs=False) if self.has_last else {}
-        if self.cache is not None:  # every stage learns which micro-batch it runs
-            kwargs["microbatch"] = torch.arange(self.microbatches, device=x.device)
+        if self.cache is not None:  # every stage learns which micro-batch it runs (on the host: no sync)
+            kwargs["microbatch"] = torch.arange(self.microbatches)
             self.cache.clear()
         self.schedule.step(*args, **kwargs)
         if self.cache is not None:
+            self.held_after_step = len(self.cache)
+            self.cache.check_delivered()
             self.cache.clear()
         for p in self.model.parameters():
             if not p.requires_grad:
@@ -268,9 +273,10 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
                                             per_rank, split)
     caching = use_cache(cache, model.config.residual, stages_per_rank(schedule, per_rank))
     modules = stage_modules(model, schedule, ranks, per_rank, split, caching)
+    indices = stage_indices(schedule, rank, ranks, per_rank)
     device = device or model.lm_head.weight.device
     stages = []
-    for index in stage_indices(schedule, rank, ranks, per_rank):
+    for index in indices:
         module = modules[index]
         kwargs = {}
         if schedule in V_SHAPED:
@@ -285,4 +291,4 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     # the gradients are scaled once, after the step: two local stages share the model's parameters
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)
-    return Pipeline(model, run, stages, microbatches, group, replicas, module.cache)
+    return Pipeline(model, run, stages, microbatches, group, replicas, modules[indices[0]].cache)

@@ -3,8 +3,8 @@
 A rank that holds stages ``p < s`` meets every micro-batch twice; when stage ``s`` runs, the rank
 already holds every source completed before ``p`` ended. So a hop into ``s`` carries only the
 sources completed since (and the rest of the state: the partial sum, Delta's ``h``): for Block
-AttnRes with 8 virtual stages on 4 ranks, the last hop carries the blocks of three stages instead
-of all of them.
+AttnRes in 8 interleaved stages on 4 ranks (rank ``r`` holding ``r`` and ``r + 4``), each hop after
+the first four carries the blocks of the four stages before it instead of all of them.
 
 Per micro-batch, ``SourceCache`` keeps one ``Entry`` per completed source the rank has produced
 or received: its value and the gradient that the rank's later stages compute for it. The stage
@@ -34,6 +34,9 @@ def use_cache(setting: str, residual: str, stages_per_rank: int) -> bool:
     if setting == "on" and residual not in CACHED_RESIDUALS:
         raise ValueError(f"run.pp_cache='on' keeps the completed sources of the AttnRes family {CACHED_RESIDUALS}; "
                          f"model.residual={residual!r} sends one state that changes at every sublayer")
+    if setting == "on" and stages_per_rank < 2:
+        raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {stages_per_rank} "
+                         f"stage per rank there are none (the looped and V schedules run several)")
     if setting == "auto":
         return residual in CACHED_RESIDUALS and stages_per_rank > 1
     return setting == "on"
@@ -64,6 +67,11 @@ class Entry:
     def add(self, grad: torch.Tensor) -> None:
         self.grad = grad if self.grad is None else self.grad + grad
 
+    def take_from(self, leaf: torch.Tensor) -> None:
+        """Add a reading leaf's gradient, and free the leaf's copy of it."""
+        self.add(leaf.grad)
+        leaf.grad = None
+
     def take(self) -> torch.Tensor | None:
         grad, self.grad = self.grad, None
         return grad
@@ -90,9 +98,19 @@ class SourceCache:
 
     def __init__(self):
         self._held: dict[int, dict[int, Entry]] = {}
+        self._made: list[Entry] = []  # every entry of the step, until its gradient is delivered
 
     def clear(self) -> None:
         self._held.clear()
+        self._made.clear()
+
+    def check_delivered(self) -> None:
+        """Raise if a gradient the rank's later stages left for a source was not added to it
+        (its owner's backward never reached the source): the step's gradients would be wrong."""
+        left = sum(entry.grad is not None for entry in self._made)
+        if left:
+            raise RuntimeError(f"{left} cached source(s) kept a gradient their owning stage never took: the step's "
+                               f"gradients are incomplete")
 
     def own(self, microbatch: int, first: int, sources) -> list[torch.Tensor]:
         """Register ``sources`` as completed sources ``first, first + 1, ...`` of
@@ -102,6 +120,7 @@ class SourceCache:
         used = []
         for j, source in enumerate(sources, first):
             entry = held[j] = Entry(source.detach())
+            self._made.append(entry)
             used.append(_WithHeldGradient.apply(source, entry) if source.requires_grad else source)
         return used
 
@@ -118,7 +137,7 @@ class SourceCache:
             entry = held[j]
             leaf = entry.value.detach().requires_grad_(torch.is_grad_enabled())
             if leaf.requires_grad:
-                leaf.register_hook(entry.add)
+                leaf.register_post_accumulate_grad_hook(entry.take_from)
             leaves.append(leaf)
         return leaves
 

@@ -351,6 +351,12 @@ def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", ke
     if torch.is_grad_enabled():
         raise RuntimeError("decode_read is for a decode pass, with autograd off (torch.no_grad()): the kernel keeps "
                            "nothing for a backward")
+    if not sources.is_contiguous() or not 1 <= count <= sources.shape[0]:
+        raise ValueError(f"decode_read reads the first count sources of a contiguous buffer [capacity, ..., D]: given "
+                         f"count={count} of {tuple(sources.shape)}, contiguous={sources.is_contiguous()}")
+    if base is not None and base.shape != sources.shape[1:]:
+        raise ValueError(f"decode_read: base must be one source's shape {tuple(sources.shape[1:])}, "
+                         f"given {tuple(base.shape)}")
     dt, D = sources.dtype, sources.shape[-1]
     out = torch.empty(sources.shape[1:], dtype=dt)
     tokens = out.numel() // D

@@ -426,7 +426,7 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
                  int32_t key_norm, F eps, int32_t sigmoid_score, const F* base, F gate, int32_t has_norm,
                  const F* norm_w, F norm_eps, F* out, int32_t threads) {
   const int64_t Dh = D / heads;
-#pragma omp parallel num_threads(threads) if (tokens * n * D >= (1 << 16))
+#pragma omp parallel num_threads(threads) if (tokens > 1 && tokens * n * D >= (1 << 16))
   {
     std::vector<F> p(n * heads);
 #pragma omp for schedule(static)
