@@ -14,6 +14,7 @@ the source model.
     python benchmarks/inference.py
     python benchmarks/inference.py --variants prenorm block mhar --rounds 7 --hf
     python benchmarks/inference.py --revisions 7483a66   # and the same variants at a git revision (block@REV)
+    python benchmarks/inference.py --hf-only --rounds 15  # only the converted Llama against its source
 
 glibc's malloc makes prefill timings depend on its heap state (see docs/BENCHMARKS.md); to time
 without page-fault churn, fix its thresholds in the environment:
