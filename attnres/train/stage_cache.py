@@ -3,8 +3,8 @@
 A rank that holds stages ``p < s`` meets every micro-batch twice; when stage ``s`` runs, the rank
 already holds every source completed before ``p`` ended. So a hop into ``s`` carries only the
 sources completed since (and the rest of the state: the partial sum, Delta's ``h``): for Block
-AttnRes in 8 interleaved stages on 4 ranks (rank ``r`` holding ``r`` and ``r + 4``), each hop after
-the first four carries the blocks of the four stages before it instead of all of them.
+AttnRes in 8 interleaved stages on 4 ranks (rank ``r`` holding ``r`` and ``r + 4``), a hop into a
+rank's second stage carries the blocks of the three stages since its first, not all of them.
 
 Per micro-batch, ``SourceCache`` keeps one ``Entry`` per completed source the rank has produced
 or received: its value and the gradient that the rank's later stages compute for it. The stage
