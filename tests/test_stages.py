@@ -70,3 +70,22 @@ def test_a_state_that_does_not_fit_the_cut_is_refused(design, completed, rest, c
     t = torch.zeros(1, 2, 32)
     with pytest.raises(ValueError, match=message):
         model.stream.join_state((t,) * completed, (t,) * rest, cut)
+
+
+@pytest.mark.parametrize("design", ["block", "mhar-uneven", "full", "delta"])
+def test_a_decode_pass_splits_as_any_other(design):
+    """With autograd off and one position per sequence the AttnRes family runs a decode pass;
+    cut at every sublayer, it gives the same tensors across the cut as a pass of several
+    positions (the same token twice) does at its first, and the logits of the uncut pass."""
+    model = tiny_model(design).eval()
+    randomize_stream(model)
+    x = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(x)
+        for cut in range(M + 1):
+            logits, sent, _ = cut_pass(model, x, cut)
+            _, twice, _ = cut_pass(model, x.repeat(1, 2), cut)
+            torch.testing.assert_close(logits, whole, atol=1e-5, rtol=1e-5)
+            assert len(sent) == len(twice), (cut, len(sent), len(twice))
+            for a, b in zip(sent, twice):
+                torch.testing.assert_close(a, b[:, :1], atol=1e-5, rtol=1e-5)

@@ -94,7 +94,8 @@ class DeltaAttnResStream(BlockRoutingStream):
         """Completed: e and the blocks (the null source is a parameter, not state); the rest:
         the additive stream ``h``, then the partial sum when there is one."""
         if type(state) is DecodeState:
-            return self._decode_sources(state, 1, state.count), (state.h.clone(), *self._decode_sources(state, state.count))
+            partial = self._decode_sources(state, state.count)
+            return self._decode_sources(state, 1, state.count), (state.h.clone(), *partial)
         routed = state.routed
         return routed.blocks[1:], (state.h,) + (() if routed.partial is None else (routed.partial,))
 
