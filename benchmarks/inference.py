@@ -8,8 +8,9 @@ benchmarks/train_step.py; ratios per round against ``prenorm`` in the same run.
 
 ``--hf``: a Llama of the same shapes (``transformers``, random weights) and its Delta AttnRes
 conversion (``attnres convert``'s model: 8 heads, blocks of 2 layers), greedy ``generate`` with
-the Hugging Face cache, batch 1, a 256-token prompt and 64 new tokens; ratio per round against
-the source model.
+the Hugging Face cache, batch 1, a 256-token prompt and 64 new tokens, whole calls in turn; then
+the same greedy steps (a forward of the next token with the Hugging Face cache) token by token,
+the two models in turn; ratios per round against the source model.
 
     python benchmarks/inference.py
     python benchmarks/inference.py --variants prenorm block mhar --rounds 7 --hf
@@ -87,9 +88,9 @@ def build(variant, prompt_len, new_tokens):
     return prefill, decoder
 
 
-def hf_generate_calls(prompt_len: int = 256, new_tokens: int = 64) -> dict:
-    """Greedy ``generate`` of a Llama shaped like ``SIZES`` and of its conversion; each call
-    returns its seconds per generated token."""
+def hf_models(prompt_len: int = 256, new_tokens: int = 64) -> tuple[dict, torch.Tensor]:
+    """``({"hf-llama": source, "hf-llama-attnres": its conversion}, prompt)``: a Llama shaped
+    like ``SIZES`` (random weights) and its Delta AttnRes conversion with live routing."""
     import transformers
 
     from attnres.hf import convert
@@ -103,6 +104,12 @@ def hf_generate_calls(prompt_len: int = 256, new_tokens: int = 64) -> dict:
     with torch.no_grad():  # live routing, as after some training
         converted.routing.pseudo_queries.normal_(0, 0.02)
     prompt = torch.randint(0, SIZES["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    return {"hf-llama": source, "hf-llama-attnres": converted}, prompt
+
+
+def hf_generate_calls(models: dict, prompt: torch.Tensor, new_tokens: int = 64) -> dict:
+    """Greedy ``generate`` of each model; each call returns its seconds per generated token."""
+    prompt_len = prompt.shape[1]
 
     def timed(model):
         def call():
@@ -112,7 +119,24 @@ def hf_generate_calls(prompt_len: int = 256, new_tokens: int = 64) -> dict:
             return (time.perf_counter() - start) / new_tokens
         return call
 
-    return {"hf-llama": timed(source), "hf-llama-attnres": timed(converted)}
+    return {name: timed(model) for name, model in models.items()}
+
+
+def hf_stepper(model, prompt: torch.Tensor):
+    """After the prompt's prefill with the Hugging Face cache (not timed), a function that takes
+    the next greedy step (the step ``generate`` repeats) and returns its seconds."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+    state = dict(past=out.past_key_values, token=out.logits[:, -1:].argmax(-1))
+
+    @torch.no_grad()
+    def step() -> float:
+        start = time.perf_counter()
+        out = model(state["token"], past_key_values=state["past"], use_cache=True)
+        state["past"], state["token"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - start
+
+    return step
 
 
 def main():
@@ -171,17 +195,31 @@ def main():
 
 
 def hf_table(args, name: str) -> None:
-    """Time the converted Llama's ``generate`` against its source's; write ``NAME_hf.csv``."""
-    calls = hf_generate_calls()
+    """Time the converted Llama against its source: whole greedy ``generate`` calls in turn, then
+    the same greedy steps token by token in turn (each model from its own cache, so that the
+    machine's drift falls on both alike); write ``NAME_hf.csv``."""
+    models, prompt = hf_models()
+    calls = hf_generate_calls(models, prompt)
     for call in calls.values():  # warm-up
         call()
     per_token = {v: [] for v in calls}
     for _ in range(args.rounds):
         for v, call in calls.items():
             per_token[v].append(call())
-    summary = ratio_summary(per_token, "hf-llama")
-    hf_rows = [dict(variant=v, generate_ms_per_token=1000 * s["median_s"], vs_source=s["ratio"],
-                    spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}") for v, s in summary.items()]
+    stepped = {v: [] for v in models}
+    for _ in range(args.rounds):
+        steps = {v: hf_stepper(model, prompt) for v, model in models.items()}
+        spent = dict.fromkeys(models, 0.0)
+        for _ in range(64):
+            for v, step in steps.items():
+                spent[v] += step()
+        for v in models:
+            stepped[v].append(spent[v] / 64)
+    hf_rows = []
+    for label, times in (("generate", per_token), ("greedy step, token by token", stepped)):
+        for v, r in ratio_summary(times, "hf-llama").items():
+            hf_rows.append(dict(timing=label, variant=v, ms_per_token=1000 * r["median_s"], vs_source=r["ratio"],
+                                spread=f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f}"))
     print_table(hf_rows, list(hf_rows[0]))
     write_csv(f"{name}_hf", hf_rows)
 
