@@ -88,7 +88,10 @@ def build(variant, prompt_len, new_tokens):
     return prefill, decoder
 
 
-def hf_models(prompt_len: int = 256, new_tokens: int = 64) -> tuple[dict, torch.Tensor]:
+HF_NEW_TOKENS = 64
+
+
+def hf_models(prompt_len: int = 256, new_tokens: int = HF_NEW_TOKENS) -> tuple[dict, torch.Tensor]:
     """``({"hf-llama": source, "hf-llama-attnres": its conversion}, prompt)``: a Llama shaped
     like ``SIZES`` (random weights) and its Delta AttnRes conversion with live routing."""
     import transformers
@@ -107,7 +110,7 @@ def hf_models(prompt_len: int = 256, new_tokens: int = 64) -> tuple[dict, torch.
     return {"hf-llama": source, "hf-llama-attnres": converted}, prompt
 
 
-def hf_generate_calls(models: dict, prompt: torch.Tensor, new_tokens: int = 64) -> dict:
+def hf_generate_calls(models: dict, prompt: torch.Tensor, new_tokens: int = HF_NEW_TOKENS) -> dict:
     """Greedy ``generate`` of each model; each call returns its seconds per generated token."""
     prompt_len = prompt.shape[1]
 
@@ -147,7 +150,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default: 1 8)")
     p.add_argument("--hf", action="store_true", help="also time a converted Llama's generate against its source")
-    p.add_argument("--hf-only", action="store_true", help="time only that (--hf), over --rounds rounds")
+    p.add_argument("--hf-only", action="store_true",
+                   help="time only that (--hf), over --rounds rounds; --variants, --revisions and --batch do not apply")
     p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
                    help="also run every variant on the package at these git revisions")
     p.add_argument("--csv", help="name of the results file under benchmarks/results/ (default: inference, "
@@ -155,9 +159,10 @@ def main():
     args = p.parse_args()
     variants = list(dict.fromkeys(["prenorm", *args.variants]))
     variants = with_revisions(variants, args.revisions)
-    print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     if args.hf_only:
+        print(f"# converted Llama against its source: {SIZES}, prompt 256, {HF_NEW_TOKENS} new tokens; {machine()}")
         return hf_table(args, args.csv or "inference")
+    print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
     pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
     dec = {}
@@ -210,11 +215,11 @@ def hf_table(args, name: str) -> None:
     for _ in range(args.rounds):
         steps = {v: hf_stepper(model, prompt) for v, model in models.items()}
         spent = dict.fromkeys(models, 0.0)
-        for _ in range(64):
+        for _ in range(HF_NEW_TOKENS):
             for v, step in steps.items():
                 spent[v] += step()
         for v in models:
-            stepped[v].append(spent[v] / 64)
+            stepped[v].append(spent[v] / HF_NEW_TOKENS)
     hf_rows = []
     for label, times in (("generate", per_token), ("greedy step, token by token", stepped)):
         for v, r in ratio_summary(times, "hf-llama").items():

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from attnres.train.pipeline import MULTI_STAGE, SCHEDULES, stage_bounds, stage_indices
+import torch
+
+from attnres.train.pipeline import MULTI_STAGE, SCHEDULES, stage_bounds, stage_indices, stage_modules
 from attnres.train.stage_cache import sources_held, use_cache
 
 from .pipeline_worker import DESIGNS, OTHERS
@@ -145,6 +147,39 @@ def test_four_ranks_of_two_stages_with_the_cache_looped_and_in_a_v(results4):
     for (schedule, rank, stage), (off, on) in expected.items():
         assert results4[rank][f"block/{schedule}"]["received"][stage] == off * unit, (schedule, stage)
         assert results4[rank][f"block/{schedule}/cache"]["received"][stage] == on * unit, (schedule, stage)
+
+
+def test_a_cached_gradient_reaches_its_owner_or_the_step_says_so():
+    """One rank's cache in one process: a later stage reads a source its earlier stage owns;
+    the reader's gradient joins the owner's in the owner's backward, and a gradient left
+    undelivered (the owner's backward never ran) is an error, not a silent loss. A source that
+    takes no gradient gives a reader nothing to deliver."""
+    from attnres.train.stage_cache import SourceCache
+
+    cache = SourceCache()
+    x = torch.randn(4, requires_grad=True)
+    frozen = torch.randn(4)
+    owned, kept = cache.own(0, 0, [x * 2, frozen])
+    (leaf, unlearned) = cache.read(0, 2, stage=2)
+    assert leaf.requires_grad and not unlearned.requires_grad
+    cache.drop(0)  # the rank's last stage has read them
+    (leaf * 3).sum().backward()  # the later stage's backward first
+    with pytest.raises(RuntimeError, match=r"1 cached source\(s\) kept a gradient their owning stage never took"):
+        cache.check_delivered()
+    (owned * 5).sum().backward()  # the owner's: its own 5 and the reader's 3, times d(2x)/dx
+    assert torch.equal(x.grad, torch.full((4,), 16.0)) and kept is frozen
+    cache.check_delivered()
+    assert len(cache) == 0
+
+
+def test_a_cached_stage_needs_its_micro_batch():
+    from .conftest import tiny_model
+
+    model = tiny_model("block", n_layers=4)
+    first = stage_modules(model, "interleaved1f1b", 2, caching=True)[0]
+    with pytest.raises(ValueError, match=r"stage 0 reads and fills its rank's cache of sources: call it with "
+                                         r"microbatch="):
+        first(torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_which_sources_a_rank_holds_follows_the_placement():

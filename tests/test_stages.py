@@ -79,8 +79,11 @@ def test_a_decode_pass_splits_as_any_other(design):
     positions (the same token twice) does at its first, and the logits of the uncut pass."""
     model = tiny_model(design).eval()
     randomize_stream(model)
+    from attnres.streams.attnres import DecodeState
+
     x = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
+        assert type(model.stream.init(model.tok_embeddings(x))) is DecodeState
         whole = model(x)
         for cut in range(M + 1):
             logits, sent, _ = cut_pass(model, x, cut)

@@ -56,13 +56,14 @@ def sources_held(owner: list[int], completed_after: list[int]) -> list[int]:
 
 
 class Entry:
-    """A cached source: ``value`` (detached) and ``grad``, the sum of the gradients the rank's
-    later stages computed for it (None until one did)."""
+    """A cached source: ``value`` (detached; None once no later stage will read it),
+    ``needs_grad`` (whether the source takes a gradient) and ``grad``, the sum of the gradients
+    the rank's later stages computed for it (None until one did)."""
 
-    __slots__ = ("value", "grad")
+    __slots__ = ("value", "needs_grad", "grad")
 
-    def __init__(self, value: torch.Tensor):
-        self.value, self.grad = value, None
+    def __init__(self, value: torch.Tensor, needs_grad: bool):
+        self.value, self.needs_grad, self.grad = value, needs_grad, None
 
     def add(self, grad: torch.Tensor) -> None:
         self.grad = grad if self.grad is None else self.grad + grad
@@ -98,7 +99,7 @@ class SourceCache:
 
     def __init__(self):
         self._held: dict[int, dict[int, Entry]] = {}
-        self._made: list[Entry] = []  # every entry of the step, until its gradient is delivered
+        self._made: list[Entry] = []  # the step's entries that take a gradient (values freed by drop)
 
     def clear(self) -> None:
         self._held.clear()
@@ -119,9 +120,12 @@ class SourceCache:
         held = self._held.setdefault(microbatch, {})
         used = []
         for j, source in enumerate(sources, first):
-            entry = held[j] = Entry(source.detach())
-            self._made.append(entry)
-            used.append(_WithHeldGradient.apply(source, entry) if source.requires_grad else source)
+            if j in held:  # a later stage of the rank received it again: it reads the new entry
+                held[j].value = None
+            entry = held[j] = Entry(source.detach(), source.requires_grad)
+            if entry.needs_grad:
+                self._made.append(entry)
+            used.append(_WithHeldGradient.apply(source, entry) if entry.needs_grad else source)
         return used
 
     def read(self, microbatch: int, count: int, stage: int) -> list[torch.Tensor]:
@@ -135,14 +139,16 @@ class SourceCache:
         leaves = []
         for j in range(count):
             entry = held[j]
-            leaf = entry.value.detach().requires_grad_(torch.is_grad_enabled())
+            leaf = entry.value.detach().requires_grad_(entry.needs_grad and torch.is_grad_enabled())
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(entry.take_from)
             leaves.append(leaf)
         return leaves
 
     def drop(self, microbatch: int) -> None:
-        self._held.pop(microbatch, None)
+        """Free ``microbatch``'s sources (its gradients still reach their owners)."""
+        for entry in self._held.pop(microbatch, {}).values():
+            entry.value = None
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._held.values())

@@ -354,6 +354,10 @@ def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", ke
     if not sources.is_contiguous() or not 1 <= count <= sources.shape[0]:
         raise ValueError(f"decode_read reads the first count sources of a contiguous buffer [capacity, ..., D]: given "
                          f"count={count} of {tuple(sources.shape)}, contiguous={sources.is_contiguous()}")
+    D = sources.shape[-1]
+    if query.shape != (D,) or D % heads or (norm is not None and norm.weight is not None and norm.weight.shape != (D,)):
+        raise ValueError(f"decode_read: query {tuple(query.shape)} and the norm's gain must be [{D}], and heads={heads} "
+                         f"must divide {D}")
     if base is not None and base.shape != sources.shape[1:]:
         raise ValueError(f"decode_read: base must be one source's shape {tuple(sources.shape[1:])}, "
                          f"given {tuple(base.shape)}")
