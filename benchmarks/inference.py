@@ -3,7 +3,8 @@
 Prefill: batch 1, a 1024-token prompt, one forward (no_grad). Decode: batch 1 and 8 (``--batch``),
 128 tokens generated one at a time after a 1024-token prompt, with the KV cache (the residual
 state is per token, so nothing else is cached); the variants decode token by token in turn, each
-from its own cache, and a round's time is the sum over its tokens. Same model as
+from its own cache (all held at once: about 0.3 GB per variant at batch 8), and a round's time is
+the sum over its tokens. Same model as
 benchmarks/train_step.py; ratios per round against ``prenorm`` in the same run.
 
 ``--hf``: a Llama of the same shapes (``transformers``, random weights) and its Delta AttnRes
