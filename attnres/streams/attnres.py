@@ -120,11 +120,11 @@ class DepthRoutingStream(Stream):
         """``(source, memo)`` with ``source`` completed before sublayer ``first_site``."""
         return self.router.add_source(memo, source, self.pseudo_queries, self.key_gains, first_site, tokens)
 
-    def _begin_decode(self, e: torch.Tensor, capacity: int) -> DecodeState | None:
-        """An empty ``DecodeState`` for ``capacity`` sources over data like ``e`` ``[..., 1, D]``,
-        or None when this pass is not a decode pass (autograd on, several positions per
-        sequence, input-dependent queries, or a backend without ``decode_read``): it then routes
-        as every other pass does."""
+    def _begin_decode(self, e: torch.Tensor, capacity: int, first: Sequence[torch.Tensor]) -> DecodeState | None:
+        """A ``DecodeState`` for ``capacity`` sources over data like ``e`` ``[..., 1, D]``, holding
+        the completed sources ``first``; or None when this pass is not a decode pass (autograd
+        on, several positions per sequence, input-dependent queries, or a backend without
+        ``decode_read``): it then routes as every other pass does."""
         if e.ndim < 2 or e.shape[-2] != 1:
             return None
         fns = self.router.decode_backend(e)
@@ -135,13 +135,23 @@ class DepthRoutingStream(Stream):
         queries = self.pseudo_queries.to(dt)
         if self.key_gains is not None:
             queries = queries * self.key_gains.to(dt)
-        return DecodeState(e.new_empty((capacity, *e.shape)), 0, False, 0, queries.contiguous(), fns)
+        sources = e.new_empty((capacity, *e.shape))
+        for slot, source in zip(sources, first):
+            slot.copy_(source)
+        return DecodeState(sources, len(first), False, 0, queries.contiguous(), fns)
 
     def _decode_read(self, state: DecodeState, site: int, norm, base: torch.Tensor | None = None,
                      gate: float = 0.0) -> torch.Tensor:
         """The read of ``site`` over the decode pass's sources (the partial last, when open)."""
         return state.fns.decode_read(state.sources, state.count + state.has_partial, state.queries[site], base=base,
                                      gate=gate, norm=norm, **self.router.options)
+
+    def _read_decoded(self, state: DecodeState, site: int, trace: Trace | None) -> torch.Tensor:
+        """The read of ``site`` through its norm in a decode pass; a traced one routes copies of
+        the sources on the reference path, which records the weights."""
+        if trace is None:
+            return self._decode_read(state, site, self._site_norm(site))
+        return self._finish_read(site, self._route(site, self._decode_sources(state), None, trace), trace)
 
     @staticmethod
     def _decode_sources(state: DecodeState, first: int = 0, end: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -194,18 +204,16 @@ class FullAttnResStream(DepthRoutingStream):
         self._make_norms()
 
     def _init(self, e: torch.Tensor) -> FullState | DecodeState:
-        decode = self._begin_decode(e, self.num_sublayers + 1)
+        decode = self._begin_decode(e, self.num_sublayers + 1, (e,))
         if decode is not None:
-            decode.sources[0].copy_(e)
-            return decode._replace(count=1)
+            return decode
         e, memo = self._add_source(self.router.start(e), e, 0)
         return FullState((e,), memo)
 
     def _read(self, state: FullState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
-        if type(state) is DecodeState and trace is None:
-            return self._decode_read(state, i, self._site_norm(i))
-        sources = self._decode_sources(state) if type(state) is DecodeState else state.sources
-        return self._finish_read(i, self._route(i, sources, getattr(state, "memo", None), trace), trace)
+        if type(state) is DecodeState:
+            return self._read_decoded(state, i, trace)
+        return self._finish_read(i, self._route(i, state.sources, state.memo, trace), trace)
 
     def _write(self, state: FullState | DecodeState, i: int, v: torch.Tensor) -> FullState | DecodeState:
         if type(state) is DecodeState:
@@ -410,17 +418,14 @@ class BlockAttnResStream(BlockRoutingStream):
         self._make_norms()
 
     def _init(self, e: torch.Tensor) -> BlockState | DecodeState:
-        decode = self._begin_decode(e, len(self._ends) + 2)  # e, the blocks, an open block
+        decode = self._begin_decode(e, len(self._ends) + 2, (e,))  # e, the blocks, an open block
         if decode is not None:
-            decode.sources[0].copy_(e)
-            return decode._replace(count=1)
+            return decode
         return self._open_block(self._complete(self._begin(e), e, 0), 0)
 
     def _read(self, state: BlockState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
         if type(state) is DecodeState:
-            if trace is None:
-                return self._decode_read(state, i, self._site_norm(i))
-            return self._finish_read(i, self._route(i, self._decode_sources(state), None, trace), trace)
+            return self._read_decoded(state, i, trace)
         return self._route_block_normed(i, state, trace)
 
     def _write(self, state: BlockState | DecodeState, i: int, v: torch.Tensor) -> BlockState | DecodeState:
@@ -429,9 +434,7 @@ class BlockAttnResStream(BlockRoutingStream):
         return self._advance(state, i, v)
 
     def _output(self, state: BlockState | DecodeState, trace: Trace | None) -> torch.Tensor:
-        if type(state) is DecodeState:
-            return self._read(state, self.num_sublayers, trace)
-        return self._route_block_normed(self.num_sublayers, state, trace)
+        return self._read(state, self.num_sublayers, trace)
 
     def _hidden(self, state: BlockState | DecodeState) -> tuple[torch.Size, torch.device]:
         first = state.sources[0] if type(state) is DecodeState else state.blocks[0]

@@ -49,11 +49,9 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.gates)
 
     def _init(self, e: torch.Tensor) -> DeltaState | DecodeState:
-        decode = self._begin_decode(e, len(self._ends) + 3)  # null, e, the blocks, an open block
+        decode = self._begin_decode(e, len(self._ends) + 3, (self.null, e))  # null, e, the blocks, an open block
         if decode is not None:
-            decode.sources[0].copy_(self.null.to(e.dtype).expand_as(e))
-            decode.sources[1].copy_(e)
-            return decode._replace(count=2, h=e.clone(), gates=self.gates.tolist())
+            return decode._replace(h=e.clone(), gates=self.gates.tolist())
         # the null source comes first: one vector for every token, prepared and scored once
         routed = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
         return DeltaState(e, self._open_block(self._complete(routed, e, 0), 0))

@@ -132,11 +132,13 @@ class StageModule(nn.Module):
     micro-batch (a one-element tensor, which the schedule splits like the batch)."""
 
     def __init__(self, model: Transformer, first: int, last: int, index: int = 0, cache: SourceCache | None = None,
-                 held: int = 0, send_from: int = 0, keeps: bool = False, frees: bool = False):
+                 held: int = 0, send_from: int = 0, keeps: bool = False, frees: bool = False,
+                 completed: int | None = None):
         super().__init__()
         self.model, self.first, self.last, self.index = model, first, last, index
         self.is_first, self.is_last = first == 0, last == model.config.num_sublayers
-        self.completed = 0 if self.is_first else boundary_layout(model, first)
+        #: the completed sources the state holds before ``first`` (``boundary_layout``)
+        self.completed = completed if completed is not None else 0 if self.is_first else boundary_layout(model, first)
         self.cache, self.held, self.send_from, self.keeps, self.frees = cache, held, send_from, keeps, frees
 
     def forward(self, *inputs: torch.Tensor, microbatch: torch.Tensor | None = None):
@@ -176,7 +178,8 @@ def stage_modules(model: Transformer, schedule: str, ranks: int, per_rank: int |
     bounds = stage_bounds(model.config.num_sublayers, n_stages, split)
     placed = {s: r for r in range(ranks) for s in stage_indices(schedule, r, ranks, per_rank)}
     owner = [placed[s] for s in range(n_stages)]
-    held = sources_held(owner, [boundary_layout(model, last) for _, last in bounds]) if caching else [0] * n_stages
+    completed_after = [boundary_layout(model, last) for _, last in bounds]
+    held = sources_held(owner, completed_after) if caching else [0] * n_stages
     caches = [SourceCache() if caching else None for _ in range(ranks)]
     modules = []
     for index, (first, last) in enumerate(bounds):
@@ -184,7 +187,8 @@ def stage_modules(model: Transformer, schedule: str, ranks: int, per_rank: int |
         reads_later = any(s > index + 1 for s in on_rank)  # a later stage of the rank reads its cache
         modules.append(StageModule(model, first, last, index, caches[owner[index]], held=held[index],
                                    send_from=held[index + 1] if index + 1 < n_stages else 0,
-                                   keeps=caching and reads_later, frees=caching and index == on_rank[-1]))
+                                   keeps=caching and reads_later, frees=caching and index == on_rank[-1],
+                                   completed=completed_after[index - 1] if index else 0))
     return modules
 
 

@@ -361,7 +361,7 @@ def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", ke
     if base is not None and base.shape != sources.shape[1:]:
         raise ValueError(f"decode_read: base must be one source's shape {tuple(sources.shape[1:])}, "
                          f"given {tuple(base.shape)}")
-    dt, D = sources.dtype, sources.shape[-1]
+    dt = sources.dtype
     out = torch.empty(sources.shape[1:], dtype=dt)
     tokens = out.numel() // D
     query = query if query.dtype == dt and query.is_contiguous() else query.to(dt).contiguous()
