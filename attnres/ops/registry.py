@@ -57,6 +57,9 @@ class Backend:
     scores_ahead: bool = False
     #: offers ``decode_read`` (a decode pass: each read one call over a buffer of the sources)
     decodes: bool = False
+    #: its ``attend`` leaves the gradients of sources an ``ops.source_ledger`` tracks to the
+    #: ledger, and it offers ``source_grad`` to form them (training: one gradient per source)
+    defers_source_grads: bool = False
     #: why it cannot run on this machine (not installed, failed build), or None
     setup: Callable[[], str | None] | None = None
     #: imported with the registry (so that no import happens while torch.compile traces); False
@@ -113,7 +116,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
             preload=False),
     Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64), traceable=False,
-            scores_ahead=True, decodes=True, setup=cpu_build.build_problem),
+            scores_ahead=True, decodes=True, defers_source_grads=True, setup=cpu_build.build_problem),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
     Backend("naive", per_token_query=True, decodes=True),
 )}

@@ -28,6 +28,7 @@ import torch
 
 from .backends.naive import depth_attention_naive
 from .registry import MODULES, Request, pick, validate
+from .source_ledger import SourceLedger
 
 
 class PhaseOne(NamedTuple):
@@ -47,6 +48,7 @@ class RoutingMemo(NamedTuple):
     prepared: tuple  # each completed source's ``prepare`` value (or None)
     scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
     phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
+    ledger: SourceLedger | None = None  # training on a backend that defers the sources' gradients
 
 
 class DepthRouter:
@@ -60,11 +62,16 @@ class DepthRouter:
         backend: a name from ``ops.registry.NAMES``; one that can never serve these options
             raises ``ValueError`` here, before any work.
         per_token_query: the queries are ``[..., D]`` per token (the input-dependent ablation).
+        defer_source_grads: on a backend that ``defers_source_grads``, form each completed
+            source's gradient once, at its own backward (``ops.source_ledger``), instead of
+            accumulating one term per read; ``False`` accumulates (the same gradients, summed
+            in another order).
     """
 
     def __init__(self, *, heads: int = 1, eps: float = 1e-6, score: str = "softmax", key_norm: bool = True,
-                 backend: str = "auto", per_token_query: bool = False):
+                 backend: str = "auto", per_token_query: bool = False, defer_source_grads: bool = True):
         validate(backend, score=score, key_norm=key_norm, per_token_query=per_token_query)
+        self.defer_source_grads = bool(defer_source_grads)
         self.heads, self.eps, self.score, self.key_norm = heads, eps, score, key_norm
         self.backend, self.per_token_query = backend, per_token_query
         self.options = dict(heads=heads, eps=eps, score=score, key_norm=key_norm)  # what every backend call takes
@@ -76,7 +83,10 @@ class DepthRouter:
         backend = pick(self.backend, Request(like.device.type, like.dtype, self.score, self.key_norm,
                                              self.per_token_query))
         scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
-        return RoutingMemo(backend.name, (), () if scoring else None, None)
+        ledger = None
+        if backend.defers_source_grads and self.defer_source_grads and torch.is_grad_enabled():
+            ledger = SourceLedger(MODULES[backend.name].source_grad, self.options)
+        return RoutingMemo(backend.name, (), () if scoring else None, None, ledger)
 
     def decode_backend(self, like: torch.Tensor):
         """The backend module that runs a decode pass over sources like ``like`` (``decode_read``),
@@ -103,7 +113,9 @@ class DepthRouter:
         if tokens is not None:
             source = source.expand(*tokens, source.shape[-1])
             prepared = None if prepared is None else prepared.expand(tokens)
-        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None)
+        if memo.ledger is not None:
+            source, _ = memo.ledger.track(source, prepared)
+        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None, memo.ledger)
 
     def open_block(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], queries: torch.Tensor,
                    gains: torch.Tensor | None, first: int, last: int, norm=None) -> RoutingMemo:

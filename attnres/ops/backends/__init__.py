@@ -28,5 +28,10 @@ position per sequence), whose sources the stream keeps one after another in one 
 
     decode_read(sources, count, query, *, heads, eps, score, key_norm, base=None, gate=0.0, norm=None) -> out
 
+A backend whose registry line says ``defers_source_grads`` leaves, in ``attend``'s backward, the
+gradients of sources an ``ops.source_ledger`` tracks to the ledger, and offers what forms them::
+
+    source_grad(source, inv_rms, reads, grad=None, *, heads, eps, score, key_norm) -> [..., D]
+
 What each backend accepts (devices, dtypes, ablations) is declared in ``ops.registry``.
 """

@@ -8,10 +8,15 @@ logits, softmax, weighted sums and all gradient terms are computed, so forward r
 source once and backward once, where the PyTorch path makes a pass over ``[tokens, D]`` memory
 per product and sum.
 
-What it keeps for backward: references to the sources, their inverse RMS, the logits
-``[N, S, ..., H]`` and ``lse`` ``[S, ..., H]`` (numbers per token, as the PyTorch path) and,
-with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of its own (backward
-recomputes the first output when its norm needs it).
+What it keeps for backward: references to the sources, their inverse RMS, ``lse``
+``[S, ..., H]`` and, with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of
+its own (backward recomputes the first output when its norm needs it), and not the logits
+``[N, S, ..., H]``, which backward computes again from the rows it reads anyway.
+
+Sources that an ``ops.source_ledger`` tracks (training: the completed sources) get no gradient
+from ``attend``'s backward: it writes ``dL/d logit`` and leaves each such source a
+``DeferredRead``, and ``source_grad`` forms the source's gradient once every read of it has run
+its backward.
 
 The merge (phase 2 of the Block computation) is one pass per direction too,
 with the next sublayer's pre-norm fused in the same way; it keeps ``h``, a reference to the
@@ -29,10 +34,11 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..source_ledger import DeferredRead, tracked
 from .common import apply_depth_function, compute_dtype, fold_gain, key_inverse_rms, prepare, score_source, split_query_grad, stack_scores
 from .cpu_build import load_library
 
-__all__ = ["attend", "attend_scored", "decode_read", "merge", "prepare", "score_source"]
+__all__ = ["attend", "attend_scored", "decode_read", "merge", "prepare", "score_source", "source_grad"]
 
 _P = ctypes.POINTER
 
@@ -51,7 +57,7 @@ class _DepthArgs(ctypes.Structure):
         ("g_out", _P(ctypes.c_void_p)), ("g_lse", ctypes.c_void_p), ("d_src", _P(ctypes.c_void_p)),
         ("d_qg", ctypes.c_void_p), ("d_norm_w", ctypes.c_void_p),
         ("key_norm", ctypes.c_int32), ("sigmoid", ctypes.c_int32), ("logits_given", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
+        ("threads", ctypes.c_int32), ("ds_out", ctypes.c_void_p), ("g0_out", ctypes.c_void_p),
     ]
 
 
@@ -92,18 +98,18 @@ def _call(name: str, dtype: torch.dtype, args: _DepthArgs) -> None:
     getattr(load_library(), f"attnres_depth_{name}_{_suffix(dtype)}")(ctypes.byref(args))
 
 
-def _args(sources, inv_rms, qg, heads, score, key_norm, logits, lse) -> tuple[_DepthArgs, list]:
+def _args(sources, inv_rms, qg, heads, score, key_norm, lse, logits=None) -> tuple[_DepthArgs, list]:
     """The kernel arguments shared by forward and backward, and the tensors they point into
     (kept alive by the caller for the call's duration)."""
     D = sources[0].shape[-1]
     rows = [_as_rows(v, D) for v in sources]
     rinv = [_as_rows(r, 1) for r in inv_rms] if key_norm else []
     args = _DepthArgs(
-        tokens=sources[0].numel() // D, dim=D, n_src=len(sources), n_q=logits.shape[1], heads=heads,
+        tokens=sources[0].numel() // D, dim=D, n_src=len(sources), n_q=lse.shape[0], heads=heads,
         src=_ptrs([v for v, _ in rows]), src_stride=_strides([s for _, s in rows]),
         rinv=_ptrs([r for r, _ in rinv]) if key_norm else None,
         rinv_stride=_strides([s for _, s in rinv]) if key_norm else None,
-        qg=_ptr(qg), logits=logits.data_ptr(), lse=lse.data_ptr(),
+        qg=_ptr(qg), logits=_ptr(logits), lse=lse.data_ptr(),
         key_norm=int(key_norm), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
     )
     return args, [rows, rinv, qg, logits, lse]
@@ -124,7 +130,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
     S = logits.shape[1]
     lse = torch.empty(S, *lead, heads, dtype=dt)
     outs = [torch.empty(*lead, D, dtype=dt) for _ in range(S)]
-    args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm, logits, lse)
+    args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm, lse, logits)
     args.outs = _ptrs(outs)
     args.logits_given = int(given)
     norm_rr = None
@@ -150,8 +156,10 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         qg = fold_gain(queries, gains, dt).contiguous()
         norm = None if norm_eps is None else (norm_weight, norm_eps)
         outs, lse, logits, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm)
-        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, *inv_rms, *sources)
+        # the logits are not kept: backward computes them again, token by token
+        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, *inv_rms, *sources)
         ctx.config = (heads, score, key_norm, n, norm_eps)
+        ctx.tracked = [tracked(v) for v in tensors[:n]]
         ctx.set_materialize_grads(False)
         if score != "softmax":
             ctx.mark_non_differentiable(lse)
@@ -160,7 +168,7 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not return zeros
     def backward(ctx, *grads):
-        queries, gains, norm_weight, norm_rr, lse, logits, *rest = ctx.saved_tensors
+        queries, gains, norm_weight, norm_rr, lse, *rest = ctx.saved_tensors
         heads, score, key_norm, n, norm_eps = ctx.config
         inv_rms, sources = (rest[:n], rest[n:]) if key_norm else ([], rest)
         S, D = queries.shape
@@ -168,6 +176,10 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         g_outs = [None if g is None else g.to(dt).contiguous() for g in grads[:S]]
         g_lse = grads[S]
         need_src = ctx.needs_input_grad[9:9 + n]
+        # sources a ledger tracks get no gradient here: their terms are left to the ledger
+        deferred = [j for j, need in enumerate(need_src) if need and ctx.tracked[j] is not None]
+        if deferred:
+            need_src = [need and ctx.tracked[j] is None for j, need in enumerate(need_src)]
         need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
         need_w = norm_rr is not None and norm_weight is not None and ctx.needs_input_grad[2] and grads[0] is not None
         threads = torch.get_num_threads()
@@ -177,20 +189,70 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         d_norm_w = torch.zeros(threads, D, dtype=dt) if need_w else None
         g_lse = None if g_lse is None else g_lse.to(dt).contiguous()
         weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
-        args, keep = _args(sources, inv_rms, qg, heads, score, key_norm, logits, lse)
+        args, keep = _args(sources, inv_rms, qg, heads, score, key_norm, lse)
         args.g_out, args.g_lse, args.d_src = _ptrs(g_outs), _ptr(g_lse), _ptrs(d_src)
         args.d_qg, args.d_norm_w = _ptr(d_qg), _ptr(d_norm_w)
         if norm_rr is not None:
             args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
         args.threads = threads
+        ds = g0 = None
+        if deferred:
+            ds = torch.empty(n, *lse.shape, dtype=dt)
+            args.ds_out = ds.data_ptr()
+            if norm_rr is not None and g_outs[0] is not None:  # the first query's gradient before its norm
+                g0 = torch.empty(*lead, D, dtype=dt)
+                args.g0_out = g0.data_ptr()
         _call("backward", dt, args)
         del keep
+        if deferred:
+            reads_grads = (g0 if g0 is not None else g_outs[0], *g_outs[1:])
+            for j in deferred:
+                ledger, index = ctx.tracked[j]
+                ledger.defer(index, DeferredRead(qg, lse, ds[j], reads_grads))
         d_queries = d_gains = None
         if need_q:
             d_queries, d_gains = split_query_grad(d_qg.sum(0), queries, gains, *ctx.needs_input_grad[:2])
         d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
         d_src = [None if d is None else d.to(t) for d, t in zip(d_src, ctx.source_dtypes)]
         return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
+
+
+class _SourceGradArgs(ctypes.Structure):
+    """Mirror of ``SourceGradArgs`` in the C++ source (field order and types must match)."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_int64), ("dim", ctypes.c_int64), ("heads", ctypes.c_int64), ("n_reads", ctypes.c_int64),
+        ("src", ctypes.c_void_p), ("src_stride", ctypes.c_int64), ("rinv", ctypes.c_void_p),
+        ("rinv_stride", ctypes.c_int64), ("n_q", _P(ctypes.c_int64)), ("qg", _P(ctypes.c_void_p)),
+        ("lse", _P(ctypes.c_void_p)), ("ds", _P(ctypes.c_void_p)),
+        ("g", _P(ctypes.c_void_p)), ("grad_in", ctypes.c_void_p), ("d_src", ctypes.c_void_p),
+        ("sigmoid", ctypes.c_int32), ("threads", ctypes.c_int32),
+    ]
+
+
+def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True):
+    """A source's gradient from the reads that deferred it (``ops.source_ledger``), in one pass
+    of the kernels: ``grad`` (or zeros) plus every read's terms. ``source`` ``[..., D]``,
+    ``inv_rms`` ``[...]`` its inverse RMS (None without the key norm; ``eps`` is not read),
+    ``reads`` a list of ``DeferredRead`` in the kernels' dtype. Returns ``[..., D]`` in the
+    source's dtype. Its twin is the naive backend's ``source_grad``."""
+    dt = reads[0].queries.dtype
+    D = source.shape[-1]
+    v, v_stride = _as_rows(source.to(dt), D)
+    rinv, rinv_stride = _as_rows(inv_rms.to(dt), 1) if key_norm else (None, 0)
+    parts = [(r.queries.contiguous(), r.lse.contiguous(), r.ds.contiguous(),
+              [None if g is None else g.to(dt).contiguous() for g in r.grads]) for r in reads]
+    grad_in = None if grad is None else grad.to(dt).expand(source.shape).contiguous()
+    out = torch.empty(source.shape, dtype=dt)
+    args = _SourceGradArgs(
+        tokens=out.numel() // D, dim=D, heads=heads, n_reads=len(parts), src=v.data_ptr(), src_stride=v_stride,
+        rinv=_ptr(rinv), rinv_stride=rinv_stride, n_q=_strides([q.shape[0] for q, *_ in parts]),
+        qg=_ptrs([p[0] for p in parts]), lse=_ptrs([p[1] for p in parts]), ds=_ptrs([p[2] for p in parts]),
+        g=_ptrs([g for p in parts for g in p[3]]), grad_in=_ptr(grad_in),
+        d_src=out.data_ptr(), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
+    )
+    getattr(load_library(), "attnres_source_grad_" + _suffix(dt))(ctypes.byref(args))
+    return out.to(source.dtype)
 
 
 class _MergeArgs(ctypes.Structure):

@@ -106,6 +106,33 @@ def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softm
     return _normed(h.flatten(-2).to(partial.dtype), norm)
 
 
+def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True):
+    """A source's gradient from the reads that deferred it (``ops.source_ledger``; the twin of
+    the ``cpu`` backend's ``source_grad``), by autograd: each read ``s`` of ``reads`` (a list of
+    ``DeferredRead``) adds the gradient of ``sum(ds * logit(v)) + sum(p * (g . v))`` per head,
+    the logits recomputed from the source ``v`` (its key norm included), the weights ``p``
+    (from those logits and the read's ``lse``) and ``ds = dL/d logit`` held fixed; plus ``grad``
+    when given. ``inv_rms`` is not read: the
+    key norm is recomputed with ``eps``. Returns ``[..., D]`` in the source's dtype."""
+    dt = reads[0].queries.dtype
+    with torch.enable_grad():
+        v = source.detach().to(dt).requires_grad_()
+        keys = (rms_norm(v, eps=eps) if key_norm else v).unflatten(-1, (heads, -1))  # [..., H, Dh]
+        values = v.unflatten(-1, (heads, -1))
+        total = v.new_zeros(())
+        for read in reads:
+            for s, g in enumerate(read.grads):
+                logit = (keys * read.queries[s].unflatten(-1, (heads, -1))).sum(-1)  # [..., H]
+                total = total + (read.ds[s] * logit).sum()
+                if g is not None:
+                    p = (torch.sigmoid(logit) if score != "softmax" else (logit - read.lse[s]).exp()).detach()
+                    total = total + (p.unsqueeze(-1) * g.to(dt).unflatten(-1, (heads, -1)) * values).sum()
+        dv, = torch.autograd.grad(total, v)
+    if grad is not None:
+        dv = dv + grad.to(dt)
+    return dv.to(source.dtype)
+
+
 def prepare(source, *, eps=1e-6, key_norm=True):
     """Nothing: every read normalizes its sources itself."""
     return None

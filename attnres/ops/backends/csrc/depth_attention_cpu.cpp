@@ -32,7 +32,7 @@ struct DepthArgs {
   const void* const* rinv;     // per source: inverse RMS per token (unused without key norm)
   const int64_t* rinv_stride;  // per source: 1, or 0
   const void* qg;              // [S, D] queries with the key-norm gain folded in
-  void* logits;                // [N, S, T, H]: written by forward, read by backward
+  void* logits;                // [N, S, T, H]: forward (written, or read when given); backward recomputes them
   void* lse;                   // [S, T, H]
   void* const* outs;           // forward: S pointers to [T, D]
   const void* norm_w;          // [D] gain of query 0's norm, or null (no gain)
@@ -44,6 +44,8 @@ struct DepthArgs {
   void* d_qg;                  // [threads, S, D] partial sums, or null
   void* d_norm_w;              // [threads, D] partial sums, or null
   int32_t key_norm, sigmoid, logits_given, threads;
+  void* ds_out;                // backward: [N, S, T, H] dL/d logit, written when not null
+  void* g0_out;                // backward: [T, D] dL/d out_0 before its fused norm, written when not null
 };
 
 // 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON/SSE
@@ -133,9 +135,9 @@ void norm_backward_row(const F* x, const F* dy, const F* w, F rr, int64_t D, F* 
   for (int64_t d = 0; d < D; ++d) dx[d] = rr * ((w ? dy[d] * w[d] : dy[d]) - x[d] * rr * m);
 }
 
-// The softmax (or sigmoid) weights p[j,s,h] of token t from its logits; writes lse in forward.
+// The softmax (or sigmoid) weights p[j,s,h] of token t from its logits, and lse[s,h].
 template <typename F>
-void weights(const DepthArgs& a, const F* logits, F* lse_out, const F* lse_in, int64_t t, F* p) {
+void weights(const DepthArgs& a, const F* logits, F* lse_out, int64_t t, F* p) {
   const int64_t T = a.tokens, N = a.n_src, S = a.n_q, H = a.heads;
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t h = 0; h < H; ++h) {
@@ -143,20 +145,15 @@ void weights(const DepthArgs& a, const F* logits, F* lse_out, const F* lse_in, i
       auto at = [&](int64_t j) -> F& { return p[(j * S + s) * H + h]; };
       if (a.sigmoid) {
         for (int64_t j = 0; j < N; ++j) at(j) = sigmoid(logit(j));
-        if (lse_out) lse_out[(s * T + t) * H + h] = 0;
+        lse_out[(s * T + t) * H + h] = 0;
         continue;
       }
-      F lse;
-      if (lse_in) {
-        lse = lse_in[(s * T + t) * H + h];
-      } else {
-        F m = logit(0);
-        for (int64_t j = 1; j < N; ++j) m = logit(j) > m ? logit(j) : m;
-        F sum = 0;
-        for (int64_t j = 0; j < N; ++j) sum += std::exp(logit(j) - m);
-        lse = m + std::log(sum);
-        lse_out[(s * T + t) * H + h] = lse;
-      }
+      F m = logit(0);
+      for (int64_t j = 1; j < N; ++j) m = logit(j) > m ? logit(j) : m;
+      F sum = 0;
+      for (int64_t j = 0; j < N; ++j) sum += std::exp(logit(j) - m);
+      const F lse = m + std::log(sum);
+      lse_out[(s * T + t) * H + h] = lse;
       for (int64_t j = 0; j < N; ++j) at(j) = std::exp(logit(j) - lse);
     }
   }
@@ -203,7 +200,7 @@ void forward(const DepthArgs& a) {
               logits[((j * S + s) * T + t) * H + h] = r * dot(qg + s * D + h * dh, v + h * dh, dh);
         }
       }
-      weights<F>(a, logits, static_cast<F*>(a.lse), nullptr, t, p.data());
+      weights<F>(a, logits, static_cast<F*>(a.lse), t, p.data());
       for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
       if (norm_rr) {  // query 0's output through RMSNorm, in place
         F* o = static_cast<F*>(a.outs[0]) + t * D;
@@ -213,10 +210,23 @@ void forward(const DepthArgs& a) {
   }
 }
 
+// The logits lg[(j * S + s) * H + h] of token t, computed as forward computes them (the same
+// bits), so that backward keeps numbers per token instead of the [N, S, T, H] logits.
+template <typename F>
+void token_logits(const DepthArgs& a, int64_t t, F* lg) {
+  const int64_t D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
+  const F* qg = static_cast<const F*>(a.qg);
+  for (int64_t j = 0; j < N; ++j) {
+    const F* v = row<F>(a, j, t);
+    const F r = inv_rms<F>(a, j, t);
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h) lg[(j * S + s) * H + h] = r * dot(qg + s * D + h * dh, v + h * dh, dh);
+  }
+}
+
 template <typename F>
 void backward(const DepthArgs& a) {
   const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
-  const F* logits = static_cast<const F*>(a.logits);
   const F* lse = static_cast<const F*>(a.lse);
   const F* g_lse = static_cast<const F*>(a.g_lse);
   const F* qg = static_cast<const F*>(a.qg);
@@ -227,16 +237,23 @@ void backward(const DepthArgs& a) {
     const int tid = omp_get_thread_num();
     F* d_qg = a.d_qg ? static_cast<F*>(a.d_qg) + tid * S * D : nullptr;
     F* d_norm_w = a.d_norm_w ? static_cast<F*>(a.d_norm_w) + tid * D : nullptr;
-    std::vector<F> p(N * S * H), gv(N * S * H), ds(N * S * H), centre(S * H), out0(D), g0(D);
+    std::vector<F> lg(N * S * H), p(N * S * H), gv(N * S * H), ds(N * S * H), centre(S * H), out0(D), g0(D);
     std::vector<const F*> g(S);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      weights<F>(a, logits, nullptr, a.sigmoid ? nullptr : lse, t, p.data());
+      token_logits<F>(a, t, lg.data());
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < N; ++j) {
+            const int64_t i = (j * S + s) * H + h;
+            p[i] = a.sigmoid ? sigmoid(lg[i]) : std::exp(lg[i] - lse[(s * T + t) * H + h]);
+          }
       for (int64_t s = 0; s < S; ++s) g[s] = a.g_out[s] ? static_cast<const F*>(a.g_out[s]) + t * D : nullptr;
       if (norm_rr && g[0]) {  // query 0's norm, on the recomputed out_0
+        F* g0_row = a.g0_out ? static_cast<F*>(a.g0_out) + t * D : g0.data();
         mix_row<F>(a, p.data(), 0, t, out0.data());
-        norm_backward_row(out0.data(), g[0], norm_w, norm_rr[t], D, g0.data(), d_norm_w);
-        g[0] = g0.data();
+        norm_backward_row(out0.data(), g[0], norm_w, norm_rr[t], D, g0_row, d_norm_w);
+        g[0] = g0_row;
       }
       // g_s . v_j per head, and g_s . out_s = sum_j p (g_s . v_j)
       for (int64_t j = 0; j < N; ++j) {
@@ -259,6 +276,11 @@ void backward(const DepthArgs& a) {
           const int64_t i = j * S * H + k;
           ds[i] = a.sigmoid ? gv[i] * p[i] * (F(1) - p[i]) : p[i] * (gv[i] - centre[k]);
         }
+      if (a.ds_out)
+        for (int64_t j = 0; j < N; ++j)
+          for (int64_t s = 0; s < S; ++s)
+            for (int64_t h = 0; h < H; ++h)
+              static_cast<F*>(a.ds_out)[((j * S + s) * T + t) * H + h] = ds[(j * S + s) * H + h];
       for (int64_t j = 0; j < N; ++j) {
         const F* v = row<F>(a, j, t);
         const F r = inv_rms<F>(a, j, t);
@@ -273,7 +295,7 @@ void backward(const DepthArgs& a) {
         if (a.key_norm) {
           for (int64_t s = 0; s < S; ++s)
             for (int64_t h = 0; h < H; ++h)
-              coef += ds[(j * S + s) * H + h] * logits[((j * S + s) * T + t) * H + h];
+              coef += ds[(j * S + s) * H + h] * lg[(j * S + s) * H + h];
           coef *= -r * r / F(D);
         }
         F* dv = static_cast<F*>(a.d_src[j]) + t * D;
@@ -288,6 +310,67 @@ void backward(const DepthArgs& a) {
         }
       }
     }
+  }
+}
+
+// The gradient of one source from the reads that deferred it (their backward wrote dL/d logit
+// instead of this source's gradient, ops/source_ledger.py): per token, the terms the backward
+// above adds to dv_j, summed over the reads,
+//   dv = grad_in + sum_{read, s, h} (r ds qg_s[h] + p g_s[h]) + coef v,  coef = -(r^2 / D) sum ds logit,
+// with the logit and p recomputed as the read computed them. Layouts per read: qg [S, D]; this
+// source's ds [S, T, H]; lse [S, T, H]; S pointers to dL/d(output s) [T, D] (null
+// where unused), the reads' pointers one after another.
+struct SourceGradArgs {
+  int64_t tokens, dim, heads, n_reads;
+  const void* src;            // the source's rows
+  int64_t src_stride;         // dim, or 0
+  const void* rinv;           // its inverse RMS per token (null: no key norm)
+  int64_t rinv_stride;        // 1, or 0
+  const int64_t* n_q;         // per read: S
+  const void* const* qg;      // per read
+  const void* const* lse;     // per read
+  const void* const* ds;      // per read
+  const void* const* g;       // sum of the reads' S pointers
+  const void* grad_in;        // [T, D] added, or null
+  void* d_src;                // [T, D] written
+  int32_t sigmoid, threads;
+};
+
+template <typename F>
+void source_grad(const SourceGradArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
+#pragma omp parallel for num_threads(a.threads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const F* v = static_cast<const F*>(a.src) + t * a.src_stride;
+    const F r = a.rinv ? static_cast<const F*>(a.rinv)[t * a.rinv_stride] : F(1);
+    F* dv = static_cast<F*>(a.d_src) + t * D;
+    if (a.grad_in) {
+      const F* gi = static_cast<const F*>(a.grad_in) + t * D;
+      std::copy(gi, gi + D, dv);
+    } else {
+      std::fill(dv, dv + D, F(0));
+    }
+    F coef = 0;
+    int64_t first_g = 0;
+    for (int64_t i = 0; i < a.n_reads; ++i) {
+      const int64_t S = a.n_q[i];
+      const F* qg = static_cast<const F*>(a.qg[i]);
+      const F* lse = static_cast<const F*>(a.lse[i]);
+      const F* ds = static_cast<const F*>(a.ds[i]);
+      for (int64_t s = 0; s < S; ++s) {
+        const F* g = static_cast<const F*>(a.g[first_g + s]);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t k = (s * T + t) * H + h;
+          const F logit = r * dot(qg + s * D + h * dh, v + h * dh, dh);  // as the read computed it
+          const F p = a.sigmoid ? sigmoid(logit) : std::exp(logit - lse[k]);
+          axpy(r * ds[k], qg + s * D + h * dh, dv + h * dh, dh);
+          if (g) axpy(p, g + t * D + h * dh, dv + h * dh, dh);
+          coef += ds[k] * logit;
+        }
+      }
+      first_g += S;
+    }
+    if (a.rinv) axpy(-r * r / F(D) * coef, v, dv, D);
   }
 }
 
@@ -468,6 +551,8 @@ void attnres_depth_forward_f32(const DepthArgs* a) { forward<float>(*a); }
 void attnres_depth_forward_f64(const DepthArgs* a) { forward<double>(*a); }
 void attnres_depth_backward_f32(const DepthArgs* a) { backward<float>(*a); }
 void attnres_depth_backward_f64(const DepthArgs* a) { backward<double>(*a); }
+void attnres_source_grad_f32(const SourceGradArgs* a) { source_grad<float>(*a); }
+void attnres_source_grad_f64(const SourceGradArgs* a) { source_grad<double>(*a); }
 void attnres_merge_forward_f32(const MergeArgs* a) { merge_forward<float>(*a); }
 void attnres_merge_forward_f64(const MergeArgs* a) { merge_forward<double>(*a); }
 void attnres_merge_backward_f32(const MergeArgs* a) { merge_backward<float>(*a); }

@@ -1,0 +1,119 @@
+"""Deferred source gradients: each completed source's gradient formed once, at its own backward.
+
+A completed source ``v_k`` (Full: a sublayer's output; Block: a block sum) is read by every later
+routing point. With plain reverse-mode accumulation each read's backward writes a ``[..., D]``
+term for every source it read, and autograd holds each source's running sum from the first of
+those backwards (the output routing's, at the start of backward) until the source's own: one
+``[..., D]`` per completed source, all at once, while the sublayers' activations are still held.
+
+With a ledger, a read's backward computes its query and norm gradients and ``dL/d logit``
+(numbers per token) but no source gradient; it leaves, per source, a ``DeferredRead`` holding
+its upstream gradients and those numbers. When every read of ``v_k`` has run its backward,
+autograd reaches ``v_k``'s ``_TrackedSource`` node, which forms the gradient from the reads'
+records in one pass (the backend's ``source_grad``)::
+
+    dv_k = sum_{reads, s, h} (p[k,s,h] g_s[h] + r_k ds[k,s,h] qg_s[h]) + coef v_k,
+    coef = -(r_k^2 / D) sum_{reads, s, h} ds[k,s,h] logit[k,s,h]
+
+(``p`` the depth weights, ``g_s`` the upstream gradient of query ``s``'s mix, ``ds = dL/d logit``,
+``qg`` the gain-folded queries, ``r_k`` the source's inverse RMS: the terms the read's own
+backward would have added, in another order). What is held between a read's backward and a
+source's is one ``[..., D]`` upstream gradient per query instead of one sum per source, and the
+reads' backward runs while the activations are freed, so the peak at the start of backward
+drops by the sources' gradients.
+
+A record belongs to the backward call (autograd's graph task) that made it: a source's node
+uses only the records of its own call, so a partial backward that stops before the sources
+(``torch.autograd.grad`` for the queries alone) leaves nothing that a later call would add.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+class DeferredRead(NamedTuple):
+    """What one read leaves for one source it read (compute dtype; ``H`` heads, ``S`` queries).
+
+    ``queries``: ``[S, D]``, the queries with the key-norm gain folded in; ``lse``:
+    ``[S, ..., H]``, the read's log-sum-exp (ignored for the sigmoid score); ``ds``:
+    ``[S, ..., H]``, ``dL/d logit`` of this source; ``grads``: ``S`` upstream gradients
+    ``[..., D]`` of the read's mixes (before any fused norm), None where a query got none. The
+    source's logits and weights are computed again from the source (numbers per token)."""
+
+    queries: torch.Tensor
+    lse: torch.Tensor
+    ds: torch.Tensor
+    grads: tuple[torch.Tensor | None, ...]
+
+
+def current_backward() -> int:
+    """The id of the running backward call (autograd's graph task), -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+class SourceLedger:
+    """The deferred reads of one forward pass's completed sources, by source index (the order
+    ``track`` saw them). ``source_grad``: the backend's function that forms a source's gradient
+    from its reads (``backends.cpu.source_grad``); ``options``: the routing's ``heads``,
+    ``score`` and ``key_norm``."""
+
+    def __init__(self, source_grad, options: dict):
+        self.source_grad = source_grad
+        self.options = options
+        self.count = 0
+        self.pending: dict[int, list[tuple[int, DeferredRead]]] = {}
+
+    def track(self, source: torch.Tensor, inv_rms: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """``(source, index)``: ``source`` as the tensor later reads take, whose backward forms
+        its gradient from their records, and the index they record it under. A source that takes
+        no gradient is returned as it is."""
+        index = self.count
+        self.count += 1
+        if not source.requires_grad:
+            return source, index
+        return _TrackedSource.apply(source, inv_rms, self, index), index
+
+    def defer(self, index: int, read: DeferredRead) -> None:
+        """Record ``read`` for source ``index`` (called from a read's backward)."""
+        self.pending.setdefault(index, []).append((current_backward(), read))
+
+    def gradient(self, index: int, source: torch.Tensor, inv_rms: torch.Tensor | None,
+                 grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Source ``index``'s gradient: ``grad`` (what reached it directly, or None) plus the
+        terms of the reads recorded for it in this backward call; the records are dropped."""
+        task = current_backward()
+        reads = [read for made_in, read in self.pending.pop(index, ()) if made_in == task]
+        if not reads:
+            return grad
+        return self.source_grad(source, inv_rms, reads, grad, **self.options)
+
+
+def tracked(source: torch.Tensor) -> tuple[SourceLedger, int] | None:
+    """``(ledger, index)`` when ``source`` is a tensor ``SourceLedger.track`` returned, else None:
+    a read defers the gradient of exactly the tensors it was handed that a ledger tracks."""
+    node = source.grad_fn
+    if type(node) is _TrackedSource._backward_cls:
+        return node.ledger, node.index
+    return None
+
+
+class _TrackedSource(torch.autograd.Function):
+    """Identity on a completed source; its backward runs once every read of the source has run
+    its own, and adds the terms they deferred (``SourceLedger.gradient``)."""
+
+    @staticmethod
+    def forward(ctx, source, inv_rms, ledger, index):
+        ctx.save_for_backward(source, inv_rms)
+        ctx.ledger, ctx.index = ledger, index
+        ctx.set_materialize_grads(False)
+        return source.view_as(source)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        source, inv_rms = ctx.saved_tensors
+        return ctx.ledger.gradient(ctx.index, source, inv_rms, grad), None, None, None
