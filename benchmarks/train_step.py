@@ -112,6 +112,8 @@ def main():
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--revisions", nargs="*", default=[], metavar="REV",
                    help="also run every variant (but plain) on the package at these git revisions")
+    p.add_argument("--csv", help="name of the results file under benchmarks/results/ (default: train_step, "
+                   "train_step_malloc_fixed with glibc's thresholds fixed, and @REV for each revision)")
     p.add_argument("--child")
     args = p.parse_args()
     if args.child:
@@ -137,7 +139,7 @@ def main():
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
     name = "train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed"
-    write_csv(name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
+    write_csv(args.csv or name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ records in one pass (the backend's ``source_grad``)::
     dv_k = sum_{reads, s, h} (p[k,s,h] g_s[h] + r_k ds[k,s,h] qg_s[h]) + coef v_k,
     coef = -(r_k^2 / D) sum_{reads, s, h} ds[k,s,h] logit[k,s,h]
 
-(``p`` the depth weights, ``g_s`` the upstream gradient of query ``s``'s mix, ``ds = dL/d logit``,
-``qg`` the gain-folded queries, ``r_k`` the source's inverse RMS: the terms the read's own
-backward would have added, in another order). What is held between a read's backward and a
+with ``logit[k,s,h] = r_k (qg_s[h] . v_k[h])`` (``qg`` the gain-folded queries, ``r_k`` the
+source's inverse RMS), ``p = exp(logit - lse)`` the depth weights (the sigmoid ablation:
+``sigmoid(logit)``), ``g_s`` the upstream gradient of query ``s``'s mix and ``ds = dL/d logit``:
+the terms the read's own backward would have added, in another order. What is held between a read's backward and a
 source's is one ``[..., D]`` upstream gradient per query instead of one sum per source, and the
 reads' backward runs while the activations are freed, so the peak at the start of backward
 drops by the sources' gradients.
