@@ -148,13 +148,15 @@ class DepthRouter:
             norm=norm, **self.options)
 
     def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
-              gain: torch.Tensor | None) -> torch.Tensor:
+              gain: torch.Tensor | None, norm=None) -> torch.Tensor:
         """One read on its own: ``sum_j alpha_j v_j`` over ``sources`` (the completed ones first,
         in the order they were added, then any not added, such as a partial sum) with ``query``
-        ``[D]`` (or ``[..., D]`` per token) and ``gain``, before the read's norm."""
+        ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` (the read's pre-norm,
+        fused where the backend can) when given."""
         prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
         outs, _ = MODULES[memo.backend].attend(
-            query[None], list(sources), None if gain is None else gain[None], prepared=prepared, **self.options)
+            query[None], list(sources), None if gain is None else gain[None], norm=norm, prepared=prepared,
+            **self.options)
         return outs[0]
 
     def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,

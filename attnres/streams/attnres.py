@@ -162,17 +162,18 @@ class DepthRoutingStream(Stream):
         return tuple(source.clone() for source in state.sources[first:end])
 
     def _route(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
-               trace: Trace | None = None) -> torch.Tensor:
+               trace: Trace | None = None, norm=None) -> torch.Tensor:
         """``h = sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site`` (before
-        the site's norm). A traced read computes its depth weights on the reference path and
-        records them (and the sources, when the trace keeps them)."""
+        the site's norm; untraced, through ``norm`` when given, fused where the backend can). A
+        traced read computes its depth weights on the reference path and records them (and the
+        sources, when the trace keeps them)."""
         query = self.pseudo_queries[site]
         if self.query_proj is not None:
             # input-dependent query from the latest source, per token: [..., D]
             query = query + sources[-1].to(query.dtype) @ self.query_proj[site].T
         gain = None if self.key_gains is None else self.key_gains[site]
         if trace is None:
-            return self.router.route(memo, sources, query, gain)
+            return self.router.route(memo, sources, query, gain, norm)
         mixed, weights = self.router.route_with_weights(sources, query, gain)
         trace.depth_weights[site] = weights.detach()
         if trace.keep_sources:
@@ -213,6 +214,8 @@ class FullAttnResStream(DepthRoutingStream):
     def _read(self, state: FullState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
         if type(state) is DecodeState:
             return self._read_decoded(state, i, trace)
+        if trace is None:  # the norm fused: backward recomputes the mix instead of keeping it
+            return self._route(i, state.sources, state.memo, norm=self._site_norm(i))
         return self._finish_read(i, self._route(i, state.sources, state.memo, trace), trace)
 
     def _write(self, state: FullState | DecodeState, i: int, v: torch.Tensor) -> FullState | DecodeState:
@@ -347,8 +350,10 @@ class BlockRoutingStream(DepthRoutingStream):
     def _route_block_normed(self, site: int, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
         """The read of ``site`` including its norm. On the two-phase path the norm is fused: a
         block's first read comes normalized out of phase 1, a merged read out of the merge."""
-        if trace is not None or not self.opens_blocks:
+        if trace is not None:
             return self._finish_read(site, self._route_block(site, state, trace), trace)
+        if not self.opens_blocks:
+            return self._route(site, self.sources(state), state.memo, norm=self._site_norm(site))
         return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains,
                                 self._site_norm(site))
 
