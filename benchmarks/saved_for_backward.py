@@ -3,8 +3,10 @@ tensors autograd saves in one training forward (``torch.autograd.graph.saved_ten
 each storage counted once, parameters excluded), on the train-step model and batch.
 
 The training step's measured peak growth (``train_step.py``) less this is what backward adds
-on top of the saved activations at its peak, at the start of backward: the gradients the output
-routing returns for every completed source, held until each source's own backward.
+on top of the saved activations at its peak, at the start of backward: on the CPU kernels, the
+output routing's upstream gradient (each source's gradient is formed at its own backward,
+``ops/source_ledger.py``); with gradients accumulated per read, one running sum per completed
+source.
 
     python benchmarks/saved_for_backward.py
 """
