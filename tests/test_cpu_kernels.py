@@ -327,3 +327,20 @@ def test_decode_read_refuses_a_buffer_it_cannot_read(count, buffer, base, messag
 def test_decode_read_refuses_autograd():
     with pytest.raises(RuntimeError, match=r"decode_read is for a decode pass, with autograd off"):
         backend("cpu").decode_read(torch.randn(2, 1, 1, 8), 2, torch.randn(8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,options", [("full", {}), ("block", dict(block_size=2))])
+def test_a_fused_read_norm_promotes_as_rms_norm(kind, options):
+    """fp32 data through fp64 norm gains: every read (Full's, a block's first, a merged one) and
+    the output come out in the dtype the reference's ``rms_norm`` gives."""
+    dtypes = {}
+    for name in ("cpu", "naive"):
+        stream = build_stream(kind, dim=16, num_sublayers=4, backend=name, **options).double()
+        state = stream.init(torch.randn(2, 3, 16))
+        reads = []
+        for i in range(4):
+            reads.append(stream.read(state, i).dtype)
+            state = stream.write(state, i, torch.randn(2, 3, 16))
+        dtypes[name] = (reads, stream.output(state).dtype)
+    assert dtypes["cpu"] == dtypes["naive"]

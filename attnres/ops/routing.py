@@ -49,6 +49,7 @@ class RoutingMemo(NamedTuple):
     scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
     phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
     ledger: SourceLedger | None = None  # training on a backend that defers the sources' gradients
+    tracked: tuple = ()  # with a ledger: per completed source, (the source, the tensor its reads take)
 
 
 class DepthRouter:
@@ -85,7 +86,7 @@ class DepthRouter:
         scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
         ledger = None
         if backend.defers_source_grads and self.defer_source_grads and torch.is_grad_enabled():
-            ledger = SourceLedger(MODULES[backend.name].source_grad, self.options)
+            ledger = SourceLedger(MODULES[backend.name].source_grad, self.options, like.dtype)
         return RoutingMemo(backend.name, (), () if scoring else None, None, ledger)
 
     def decode_backend(self, like: torch.Tensor):
@@ -113,9 +114,10 @@ class DepthRouter:
         if tokens is not None:
             source = source.expand(*tokens, source.shape[-1])
             prepared = None if prepared is None else prepared.expand(tokens)
+        tracked = memo.tracked
         if memo.ledger is not None:
-            source, _ = memo.ledger.track(source, prepared)
-        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None, memo.ledger)
+            tracked = tracked + ((source, memo.ledger.track(source, prepared)),)
+        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None, memo.ledger, tracked)
 
     def open_block(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], queries: torch.Tensor,
                    gains: torch.Tensor | None, first: int, last: int, norm=None) -> RoutingMemo:
@@ -130,8 +132,9 @@ class DepthRouter:
             rows = [s[..., first - end:last - end or None, :] for s in memo.scores]
             outs, lse = fns.attend_scored(rows, list(sources), score=self.score, norm=norm)
         else:
-            outs, lse = fns.attend(queries[first:last], list(sources), None if gains is None else gains[first:last],
-                                   norm=norm, prepared=memo.prepared, **self.options)
+            outs, lse = fns.attend(queries[first:last], _read_sources(memo, sources),
+                                   None if gains is None else gains[first:last], norm=norm, prepared=memo.prepared,
+                                   **self.options)
         return memo._replace(phase_one=PhaseOne(outs, lse, first))
 
     def read(self, memo: RoutingMemo, site: int, partial: torch.Tensor | None, queries: torch.Tensor,
@@ -155,8 +158,8 @@ class DepthRouter:
         fused where the backend can) when given."""
         prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
         outs, _ = MODULES[memo.backend].attend(
-            query[None], list(sources), None if gain is None else gain[None], norm=norm, prepared=prepared,
-            **self.options)
+            query[None], _read_sources(memo, sources), None if gain is None else gain[None], norm=norm,
+            prepared=prepared, **self.options)
         return outs[0]
 
     def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
@@ -167,4 +170,15 @@ class DepthRouter:
 
     def __repr__(self) -> str:
         return (f"DepthRouter(heads={self.heads}, score={self.score}, key_norm={self.key_norm}, "
-                f"backend={self.backend})")
+                f"backend={self.backend}, defer_source_grads={self.defer_source_grads})")
+
+
+def _read_sources(memo: RoutingMemo, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``sources`` as a read takes them: each completed source a ledger tracks replaced by the
+    tensor ``track`` returned for it. The state keeps the sources themselves, so that a hook or
+    ``autograd.grad`` on one sees its whole gradient, the ledger's terms included."""
+    sources = list(sources)
+    for j, (source, read_as) in enumerate(memo.tracked[:len(sources)]):
+        if sources[j] is source:
+            sources[j] = read_as
+    return sources

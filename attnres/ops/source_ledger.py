@@ -23,16 +23,22 @@ source's is one ``[..., D]`` upstream gradient per query instead of one sum per 
 reads' backward runs while the activations are freed, so the peak at the start of backward
 drops by the sources' gradients.
 
-A record belongs to the backward call (autograd's graph task) that made it: a source's node
-uses only the records of its own call, so a partial backward that stops before the sources
-(``torch.autograd.grad`` for the queries alone) leaves nothing that a later call would add.
+A record belongs to the backward call (autograd's graph task) that made it, and the records
+a call leaves unused (it stopped before the source: ``torch.autograd.grad`` for the queries
+alone) are dropped when it ends; calls running at once on one graph each use their own. The
+stream's state keeps the sources themselves (``ops.routing`` hands the reads the tracked
+tensors), so a hook or ``autograd.grad`` on a state's tensor sees the whole gradient. A backward
+that builds a graph (``create_graph=True``) does not defer: the kernels' backward is not itself
+differentiable, which it then says when differentiated, as without a ledger.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
+from torch.autograd import Variable
 from torch.autograd.function import once_differentiable
 
 
@@ -57,37 +63,54 @@ def current_backward() -> int:
 
 
 class SourceLedger:
-    """The deferred reads of one forward pass's completed sources, by source index (the order
-    ``track`` saw them). ``source_grad``: the backend's function that forms a source's gradient
-    from its reads (``backends.cpu.source_grad``); ``options``: the routing's ``heads``,
-    ``score`` and ``key_norm``."""
+    """The deferred reads of one forward pass's completed sources, by backward call and source
+    index (the order ``track`` saw them). ``source_grad``: the backend's function that forms a
+    source's gradient from its reads (``backends.cpu.source_grad``); ``options``: the routing's
+    ``heads``, ``eps``, ``score`` and ``key_norm``, which a read must share to defer;
+    ``dtype``: the dtype the reads compute in, which a tracked source must have."""
 
-    def __init__(self, source_grad, options: dict):
+    def __init__(self, source_grad, options: dict, dtype: torch.dtype):
         self.source_grad = source_grad
         self.options = options
+        self.dtype = dtype
         self.count = 0
-        self.pending: dict[int, list[tuple[int, DeferredRead]]] = {}
+        self.pending: dict[int, dict[int, list[DeferredRead]]] = {}  # backward call -> index -> reads
+        self._lock = threading.Lock()
 
-    def track(self, source: torch.Tensor, inv_rms: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """``(source, index)``: ``source`` as the tensor later reads take, whose backward forms
-        its gradient from their records, and the index they record it under. A source that takes
-        no gradient is returned as it is."""
+    def track(self, source: torch.Tensor, inv_rms: torch.Tensor | None) -> torch.Tensor:
+        """``source`` as the tensor later reads take, whose backward forms its gradient from
+        their records (``source`` itself when it takes no gradient or is not in ``dtype``)."""
         index = self.count
         self.count += 1
-        if not source.requires_grad:
-            return source, index
-        return _TrackedSource.apply(source, inv_rms, self, index), index
+        if not source.requires_grad or source.dtype != self.dtype:
+            return source
+        return _TrackedSource.apply(source, inv_rms, self, index)
+
+    def takes(self, options: dict, dtype: torch.dtype) -> bool:
+        """Whether a read with these routing ``options`` computing in ``dtype`` may defer to it."""
+        return dtype == self.dtype and options == self.options
 
     def defer(self, index: int, read: DeferredRead) -> None:
         """Record ``read`` for source ``index`` (called from a read's backward)."""
-        self.pending.setdefault(index, []).append((current_backward(), read))
+        task = current_backward()
+        with self._lock:
+            by_source = self.pending.get(task)
+            if by_source is None:
+                by_source = self.pending[task] = {}
+                # what this call leaves unused goes when it ends
+                Variable._execution_engine.queue_callback(lambda: self._end(task))
+            by_source.setdefault(index, []).append(read)
+
+    def _end(self, task: int) -> None:
+        with self._lock:
+            self.pending.pop(task, None)
 
     def gradient(self, index: int, source: torch.Tensor, inv_rms: torch.Tensor | None,
                  grad: torch.Tensor | None) -> torch.Tensor | None:
         """Source ``index``'s gradient: ``grad`` (what reached it directly, or None) plus the
-        terms of the reads recorded for it in this backward call; the records are dropped."""
-        task = current_backward()
-        reads = [read for made_in, read in self.pending.pop(index, ()) if made_in == task]
+        terms of the reads this backward call recorded for it, which are dropped."""
+        with self._lock:
+            reads = self.pending.get(current_backward(), {}).pop(index, None)
         if not reads:
             return grad
         return self.source_grad(source, inv_rms, reads, grad, **self.options)

@@ -159,62 +159,72 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         # the logits are not kept: backward computes them again, token by token
         ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, *inv_rms, *sources)
         ctx.config = (heads, score, key_norm, n, norm_eps)
-        ctx.tracked = [tracked(v) for v in tensors[:n]]
+        # the sources whose gradient a ledger forms: tracked by one whose reads compute as this one
+        options = dict(heads=heads, eps=eps, score=score, key_norm=key_norm)
+        ctx.tracked = [None if t is None or not t[0].takes(options, dt) else t for t in map(tracked, tensors[:n])]
         ctx.set_materialize_grads(False)
         if score != "softmax":
             ctx.mark_non_differentiable(lse)
         return (*outs, lse)
 
     @staticmethod
-    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not return zeros
     def backward(ctx, *grads):
-        queries, gains, norm_weight, norm_rr, lse, *rest = ctx.saved_tensors
-        heads, score, key_norm, n, norm_eps = ctx.config
-        inv_rms, sources = (rest[:n], rest[n:]) if key_norm else ([], rest)
-        S, D = queries.shape
-        dt, lead = sources[0].dtype, sources[0].shape[:-1]
-        g_outs = [None if g is None else g.to(dt).contiguous() for g in grads[:S]]
-        g_lse = grads[S]
-        need_src = ctx.needs_input_grad[9:9 + n]
-        # sources a ledger tracks get no gradient here: their terms are left to the ledger
-        deferred = [j for j, need in enumerate(need_src) if need and ctx.tracked[j] is not None]
-        if deferred:
-            need_src = [need and ctx.tracked[j] is None for j, need in enumerate(need_src)]
-        need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
-        need_w = norm_rr is not None and norm_weight is not None and ctx.needs_input_grad[2] and grads[0] is not None
-        threads = torch.get_num_threads()
-        qg = fold_gain(queries, gains, dt).contiguous()
-        d_src = [torch.empty(*lead, D, dtype=dt) if need else None for need in need_src]
-        d_qg = torch.zeros(threads, S, D, dtype=dt) if need_q else None
-        d_norm_w = torch.zeros(threads, D, dtype=dt) if need_w else None
-        g_lse = None if g_lse is None else g_lse.to(dt).contiguous()
-        weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
-        args, keep = _args(sources, inv_rms, qg, heads, score, key_norm, lse)
-        args.g_out, args.g_lse, args.d_src = _ptrs(g_outs), _ptr(g_lse), _ptrs(d_src)
-        args.d_qg, args.d_norm_w = _ptr(d_qg), _ptr(d_norm_w)
-        if norm_rr is not None:
-            args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
-        args.threads = threads
-        ds = g0 = None
-        if deferred:
-            ds = torch.empty(n, *lse.shape, dtype=dt)
-            args.ds_out = ds.data_ptr()
-            if norm_rr is not None and g_outs[0] is not None:  # the first query's gradient before its norm
-                g0 = torch.empty(*lead, D, dtype=dt)
-                args.g0_out = g0.data_ptr()
-        _call("backward", dt, args)
-        del keep
-        if deferred:
-            reads_grads = (g0 if g0 is not None else g_outs[0], *g_outs[1:])
-            for j in deferred:
-                ledger, index = ctx.tracked[j]
-                ledger.defer(index, DeferredRead(qg, lse, ds[j], reads_grads))
-        d_queries = d_gains = None
-        if need_q:
-            d_queries, d_gains = split_query_grad(d_qg.sum(0), queries, gains, *ctx.needs_input_grad[:2])
-        d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
-        d_src = [None if d is None else d.to(t) for d, t in zip(d_src, ctx.source_dtypes)]
-        return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
+        # a backward that builds a graph (create_graph) does not defer: the sources' gradients
+        # come from here, marked as once differentiable, as every other gradient of the kernels
+        return _depth_backward(ctx, not torch.is_grad_enabled(), *grads)
+
+
+@once_differentiable  # the kernels' backward is not itself differentiable: say so, not return zeros
+def _depth_backward(ctx, may_defer, *grads):
+    """``CpuDepthAttentionFunction``'s backward; ``may_defer``: leave the gradients of the
+    sources a ledger tracks to it (not while building a graph)."""
+    queries, gains, norm_weight, norm_rr, lse, *rest = ctx.saved_tensors
+    heads, score, key_norm, n, norm_eps = ctx.config
+    inv_rms, sources = (rest[:n], rest[n:]) if key_norm else ([], rest)
+    S, D = queries.shape
+    dt, lead = sources[0].dtype, sources[0].shape[:-1]
+    g_outs = [None if g is None else g.to(dt).contiguous() for g in grads[:S]]
+    g_lse = grads[S]
+    need_src = ctx.needs_input_grad[9:9 + n]
+    # sources a ledger tracks get no gradient here: their terms are left to the ledger
+    deferred = [j for j, need in enumerate(need_src) if need and ctx.tracked[j] is not None] if may_defer else []
+    if deferred:
+        need_src = [need and ctx.tracked[j] is None for j, need in enumerate(need_src)]
+    need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
+    need_w = norm_rr is not None and norm_weight is not None and ctx.needs_input_grad[2] and grads[0] is not None
+    threads = torch.get_num_threads()
+    qg = fold_gain(queries, gains, dt).contiguous()
+    d_src = [torch.empty(*lead, D, dtype=dt) if need else None for need in need_src]
+    d_qg = torch.zeros(threads, S, D, dtype=dt) if need_q else None
+    d_norm_w = torch.zeros(threads, D, dtype=dt) if need_w else None
+    g_lse = None if g_lse is None else g_lse.to(dt).contiguous()
+    weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
+    args, keep = _args(sources, inv_rms, qg, heads, score, key_norm, lse)
+    args.g_out, args.g_lse, args.d_src = _ptrs(g_outs), _ptr(g_lse), _ptrs(d_src)
+    args.d_qg, args.d_norm_w = _ptr(d_qg), _ptr(d_norm_w)
+    if norm_rr is not None:
+        args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
+    args.threads = threads
+    ds = g0 = None
+    if deferred:
+        ds = torch.empty(n, *lse.shape, dtype=dt)
+        args.ds_out = ds.data_ptr()
+        if norm_rr is not None and g_outs[0] is not None:  # the first query's gradient before its norm
+            g0 = torch.empty(*lead, D, dtype=dt)
+            args.g0_out = g0.data_ptr()
+    _call("backward", dt, args)
+    del keep
+    if deferred:
+        reads_grads = (g0 if g0 is not None else g_outs[0], *g_outs[1:])
+        for j in deferred:
+            ledger, index = ctx.tracked[j]
+            ledger.defer(index, DeferredRead(qg, lse, ds[j], reads_grads))
+    d_queries = d_gains = None
+    if need_q:
+        d_queries, d_gains = split_query_grad(d_qg.sum(0), queries, gains, *ctx.needs_input_grad[:2])
+    d_weight = d_norm_w.sum(0).to(norm_weight.dtype) if need_w else None
+    d_src = [None if d is None else d.to(t) for d, t in zip(d_src, ctx.source_dtypes)]
+    return (d_queries, d_gains, d_weight, *([None] * 6), *d_src, *([None] * n))
 
 
 class _SourceGradArgs(ctypes.Structure):
@@ -240,7 +250,7 @@ def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="
     D = source.shape[-1]
     v, v_stride = _as_rows(source.to(dt), D)
     rinv, rinv_stride = _as_rows(inv_rms.to(dt), 1) if key_norm else (None, 0)
-    parts = [(r.queries.contiguous(), r.lse.contiguous(), r.ds.contiguous(),
+    parts = [(r.queries.to(dt).contiguous(), r.lse.to(dt).contiguous(), r.ds.to(dt).contiguous(),
               [None if g is None else g.to(dt).contiguous() for g in r.grads]) for r in reads]
     grad_in = None if grad is None else grad.to(dt).expand(source.shape).contiguous()
     out = torch.empty(source.shape, dtype=dt)
@@ -354,9 +364,13 @@ class CpuMergeFunction(torch.autograd.Function):
 
 def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
            prepared=None):
-    """The ``torch`` backend's ``attend`` on the kernels: the same arguments and results."""
-    return apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
-                                prepared, norm)
+    """The ``torch`` backend's ``attend`` on the kernels: the same arguments and results (the
+    first output through a norm with a gain in the dtype ``rms_norm`` promotes to)."""
+    outs, lse = apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score,
+                                     key_norm, prepared, norm)
+    if norm is not None and norm.weight is not None and norm.weight.dtype != outs[0].dtype:
+        outs = (outs[0].to(torch.promote_types(outs[0].dtype, norm.weight.dtype)), *outs[1:])
+    return outs, lse
 
 
 def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
