@@ -3,8 +3,9 @@ once, and the two-phase Block computation (SPEC section 3) on whichever backend 
 
 A stream keeps one ``RoutingMemo`` in its state: ``start`` makes it, every call takes it and
 returns the next one. What it holds belongs to the backend chosen for the pass (each completed
-source's ``prepare`` value, the open block's phase-1 results, the scores of the inference path);
-the stream never looks inside. Sites are the rows of a stream's pseudo-queries ``[M + 1, D]``
+source's ``prepare`` value, the open block's phase-1 results, the scores of the inference path,
+in training the ledger that forms each completed source's gradient, ``ops.source_ledger``); the
+stream never looks inside. Sites are the rows of a stream's pseudo-queries ``[M + 1, D]``
 and key-norm gains (sublayer ``i``, and ``M`` for the output routing)::
 
     memo = router.start(e, two_phase=True)
