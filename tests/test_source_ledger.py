@@ -26,8 +26,9 @@ def deferred_reads(g, dt, lead, D, heads, query_counts, missing=()):
         for _ in range(S):
             grads.append(None if k in missing else torch.randn(*lead, D, generator=g, dtype=dt))
             k += 1
-        reads.append(DeferredRead(torch.randn(S, D, generator=g, dtype=dt), torch.randn(S, *lead, heads, generator=g, dtype=dt),
-                                  torch.randn(S, *lead, heads, generator=g, dtype=dt), tuple(grads)))
+        queries, lse, ds = (torch.randn(*shape, generator=g, dtype=dt) for shape in
+                            ((S, D), (S, *lead, heads), (S, *lead, heads)))
+        reads.append(DeferredRead(queries, lse, ds, tuple(grads)))
     return reads
 
 
@@ -125,7 +126,8 @@ def assert_same(got, want, tol=1e-10):
 def counting_records(monkeypatch) -> list:
     made = []
     original = SourceLedger.defer
-    monkeypatch.setattr(SourceLedger, "defer", lambda self, index, read: (made.append(index), original(self, index, read)))
+    monkeypatch.setattr(SourceLedger, "defer",
+                        lambda self, index, read: (made.append(index), original(self, index, read)))
     return made
 
 

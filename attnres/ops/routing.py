@@ -118,7 +118,8 @@ class DepthRouter:
         tracked = memo.tracked
         if memo.ledger is not None:
             tracked = tracked + ((source, memo.ledger.track(source, prepared)),)
-        return source, RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None, memo.ledger, tracked)
+        memo = RoutingMemo(memo.backend, memo.prepared + (prepared,), scores, None, memo.ledger, tracked)
+        return source, memo
 
     def open_block(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], queries: torch.Tensor,
                    gains: torch.Tensor | None, first: int, last: int, norm=None) -> RoutingMemo:

@@ -18,10 +18,11 @@ records in one pass (the backend's ``source_grad``)::
 with ``logit[k,s,h] = r_k (qg_s[h] . v_k[h])`` (``qg`` the gain-folded queries, ``r_k`` the
 source's inverse RMS), ``p = exp(logit - lse)`` the depth weights (the sigmoid ablation:
 ``sigmoid(logit)``), ``g_s`` the upstream gradient of query ``s``'s mix and ``ds = dL/d logit``:
-the terms the read's own backward would have added, in another order. What is held between a read's backward and a
-source's is one ``[..., D]`` upstream gradient per query instead of one sum per source, and the
-reads' backward runs while the activations are freed, so the peak at the start of backward
-drops by the sources' gradients.
+the terms the read's own backward would have added, in another order. What is held is one
+``[..., D]`` upstream gradient per query of each read whose backward has run, until the end of
+backward (every read also reads the first source), instead of one sum per source from the
+start; it grows while the sublayers' activations are freed, so the peak at the start of
+backward drops by the sources' gradients.
 
 A record belongs to the backward call (autograd's graph task) that made it, and the records
 a call leaves unused (it stopped before the source: ``torch.autograd.grad`` for the queries

@@ -112,8 +112,8 @@ def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="
     ``DeferredRead``) adds the gradient of ``sum(ds * logit(v)) + sum(p * (g . v))`` per head,
     the logits recomputed from the source ``v`` (its key norm included), the weights ``p``
     (from those logits and the read's ``lse``) and ``ds = dL/d logit`` held fixed; plus ``grad``
-    when given. ``inv_rms`` is not read: the
-    key norm is recomputed with ``eps``. Returns ``[..., D]`` in the source's dtype."""
+    when given. ``inv_rms`` is not read: the key norm is recomputed with ``eps``. Returns
+    ``[..., D]`` in the source's dtype."""
     dt = reads[0].queries.dtype
     with torch.enable_grad():
         v = source.detach().to(dt).requires_grad_()
