@@ -185,11 +185,10 @@ def _depth_backward(ctx, may_defer, *grads):
     dt, lead = sources[0].dtype, sources[0].shape[:-1]
     g_outs = [None if g is None else g.to(dt).contiguous() for g in grads[:S]]
     g_lse = grads[S]
-    need_src = ctx.needs_input_grad[9:9 + n]
     # sources a ledger tracks get no gradient here: their terms are left to the ledger
-    deferred = [j for j, need in enumerate(need_src) if need and ctx.tracked[j] is not None] if may_defer else []
-    if deferred:
-        need_src = [need and ctx.tracked[j] is None for j, need in enumerate(need_src)]
+    defer = [may_defer and need and t is not None for need, t in zip(ctx.needs_input_grad[9:9 + n], ctx.tracked)]
+    need_src = [need and not d for need, d in zip(ctx.needs_input_grad[9:9 + n], defer)]
+    deferred = [j for j, d in enumerate(defer) if d]
     need_q = ctx.needs_input_grad[0] or (gains is not None and ctx.needs_input_grad[1])
     need_w = norm_rr is not None and norm_weight is not None and ctx.needs_input_grad[2] and grads[0] is not None
     threads = torch.get_num_threads()
@@ -252,7 +251,7 @@ def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="
     rinv, rinv_stride = _as_rows(inv_rms.to(dt), 1) if key_norm else (None, 0)
     parts = [(r.queries.to(dt).contiguous(), r.lse.to(dt).contiguous(), r.ds.to(dt).contiguous(),
               [None if g is None else g.to(dt).contiguous() for g in r.grads]) for r in reads]
-    grad_in = None if grad is None else grad.to(dt).expand(source.shape).contiguous()
+    grad_in = None if grad is None else grad.to(dt).contiguous()
     out = torch.empty(source.shape, dtype=dt)
     args = _SourceGradArgs(
         tokens=out.numel() // D, dim=D, heads=heads, n_reads=len(parts), src=v.data_ptr(), src_stride=v_stride,
@@ -298,11 +297,12 @@ def _merge_inputs(o1, lse1, partial, query, gain, norm_weight):
             fold_gain(query, gain, dt).contiguous(), None if norm_weight is None else norm_weight.to(dt).contiguous())
 
 
-def _out_dtype(partial_dtype, norm_weight, norm_eps):
-    """The merge's dtype, the partial's; through a norm with a gain, as ``rms_norm`` promotes."""
+def _out_dtype(dtype, norm_weight, norm_eps):
+    """The dtype of a kernel's output computed in ``dtype`` (the merge's: its partial's): that,
+    or through a norm with a gain the dtype ``rms_norm`` promotes to."""
     if norm_eps is None or norm_weight is None:
-        return partial_dtype
-    return torch.promote_types(partial_dtype, norm_weight.dtype)
+        return dtype
+    return torch.promote_types(dtype, norm_weight.dtype)
 
 
 class CpuMergeFunction(torch.autograd.Function):
@@ -368,8 +368,8 @@ def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", 
     first output through a norm with a gain in the dtype ``rms_norm`` promotes to)."""
     outs, lse = apply_depth_function(CpuDepthAttentionFunction, queries, sources, gains, heads, eps, score,
                                      key_norm, prepared, norm)
-    if norm is not None and norm.weight is not None and norm.weight.dtype != outs[0].dtype:
-        outs = (outs[0].to(torch.promote_types(outs[0].dtype, norm.weight.dtype)), *outs[1:])
+    if norm is not None:
+        outs = (outs[0].to(_out_dtype(outs[0].dtype, norm.weight, norm.eps)), *outs[1:])
     return outs, lse
 
 

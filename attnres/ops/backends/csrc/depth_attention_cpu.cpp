@@ -90,6 +90,14 @@ inline F dot(const F* a, const F* b, int64_t n) {
   return acc;
 }
 
+// The logit of head h of a query row qg against a source row v with inverse RMS r (1 without
+// the key norm): r (qg[h] . v[h]). Every kernel scores through it, so that a logit computed
+// again (backward, source_grad) has the bits forward computed.
+template <typename F>
+inline F head_logit(const F* qg, const F* v, F r, int64_t h, int64_t dh) {
+  return r * dot(qg + h * dh, v + h * dh, dh);
+}
+
 template <typename F>
 inline void axpy(F alpha, const F* x, F* y, int64_t n) {  // y += alpha * x
 #pragma omp simd
@@ -197,7 +205,7 @@ void forward(const DepthArgs& a) {
           const F r = inv_rms<F>(a, j, t);
           for (int64_t s = 0; s < S; ++s)
             for (int64_t h = 0; h < H; ++h)
-              logits[((j * S + s) * T + t) * H + h] = r * dot(qg + s * D + h * dh, v + h * dh, dh);
+              logits[((j * S + s) * T + t) * H + h] = head_logit(qg + s * D, v, r, h, dh);
         }
       }
       weights<F>(a, logits, static_cast<F*>(a.lse), t, p.data());
@@ -210,8 +218,8 @@ void forward(const DepthArgs& a) {
   }
 }
 
-// The logits lg[(j * S + s) * H + h] of token t, computed as forward computes them (the same
-// bits), so that backward keeps numbers per token instead of the [N, S, T, H] logits.
+// The logits lg[(j * S + s) * H + h] of token t, as forward computed them (head_logit), so that
+// backward keeps numbers per token instead of the [N, S, T, H] logits.
 template <typename F>
 void token_logits(const DepthArgs& a, int64_t t, F* lg) {
   const int64_t D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
@@ -220,7 +228,7 @@ void token_logits(const DepthArgs& a, int64_t t, F* lg) {
     const F* v = row<F>(a, j, t);
     const F r = inv_rms<F>(a, j, t);
     for (int64_t s = 0; s < S; ++s)
-      for (int64_t h = 0; h < H; ++h) lg[(j * S + s) * H + h] = r * dot(qg + s * D + h * dh, v + h * dh, dh);
+      for (int64_t h = 0; h < H; ++h) lg[(j * S + s) * H + h] = head_logit(qg + s * D, v, r, h, dh);
   }
 }
 
@@ -361,7 +369,7 @@ void source_grad(const SourceGradArgs& a) {
         const F* g = static_cast<const F*>(a.g[first_g + s]);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t k = (s * T + t) * H + h;
-          const F logit = r * dot(qg + s * D + h * dh, v + h * dh, dh);  // as the read computed it
+          const F logit = head_logit(qg + s * D, v, r, h, dh);  // as the read computed it
           const F p = a.sigmoid ? sigmoid(logit) : std::exp(logit - lse[k]);
           axpy(r * ds[k], qg + s * D + h * dh, dv + h * dh, dh);
           if (g) axpy(p, g + t * D + h * dh, dv + h * dh, dh);
@@ -419,7 +427,7 @@ void merge_forward(const MergeArgs& a) {
       const F r = a.key_norm ? F(1) / std::sqrt(dot(P, P, D) / F(D) + F(a.eps)) : F(1);
       if (a.r) static_cast<F*>(a.r)[t] = r;
       for (int64_t k = 0; k < H; ++k) {
-        const F s2 = r * dot(qg + k * dh, P + k * dh, dh);
+        const F s2 = head_logit(qg, P, r, k, dh);
         const F* Pk = P + k * dh;
         const F* ok = o1 + k * dh;
         F* hk = h + k * dh;
@@ -517,7 +525,7 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
       for (int64_t j = 0; j < n; ++j) {
         const F* v = src + j * src_stride + t * D;
         const F r = key_norm ? F(1) / std::sqrt(dot(v, v, D) / F(D) + eps) : F(1);
-        for (int64_t h = 0; h < heads; ++h) p[j * heads + h] = r * dot(qg + h * Dh, v + h * Dh, Dh);
+        for (int64_t h = 0; h < heads; ++h) p[j * heads + h] = head_logit(qg, v, r, h, Dh);
       }
       for (int64_t h = 0; h < heads; ++h) {
         if (sigmoid_score) {
