@@ -208,16 +208,16 @@ def check_pipeline(schedule: str, ranks: int, num_sublayers: int, batch: int | N
     return stages, mb
 
 
-def check_cache(setting: str, residual: str, stages_per_rank: int) -> None:
+def check_cache(setting: str, residual: str, per_rank: int) -> None:
     """``run.pp_cache``: ``auto``, ``on`` or ``off``; ``on`` only for a design with completed
-    sources (``CACHED_RESIDUALS``) and a placement of several stages per rank."""
+    sources (``CACHED_RESIDUALS``) and a placement of several stages per rank (``per_rank``)."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"run.pp_cache={setting!r} must be one of ('auto', 'on', 'off')")
     if setting == "on" and residual not in CACHED_RESIDUALS:
         raise ValueError(f"run.pp_cache='on' keeps the completed sources of the AttnRes family {CACHED_RESIDUALS}; "
                          f"model.residual={residual!r} sends one state that changes at every sublayer")
-    if setting == "on" and stages_per_rank < 2:
-        raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {stages_per_rank} "
+    if setting == "on" and per_rank < 2:
+        raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {per_rank} "
                          f"stage per rank there are none (the looped and V schedules run several)")
 
 
