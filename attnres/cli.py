@@ -148,11 +148,8 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_compare(sub) -> None:
     from .train.compare import DEFAULT_DESIGNS, DESIGNS
-
-    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
-    sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
     _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5")
@@ -165,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
     p.set_defaults(fn=cmd_compare)
 
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train one model")
     _add_config_args(p, "small")
     p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
@@ -172,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")
     p.set_defaults(fn=cmd_train)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample from a trained run with the KV cache")
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="def ")
@@ -182,11 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_generate)
 
+
+def _add_report(sub) -> None:
     p = sub.add_parser("report", help="rebuild a comparison report from its saved artifacts")
     p.add_argument("run_dir")
     p.add_argument("--baseline", metavar="DESIGN", help="compare with this design (default: the comparison's)")
     p.set_defaults(fn=cmd_report)
 
+
+def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a local Llama/Mistral/Qwen2/Qwen3 model to Delta AttnRes")
     p.add_argument("src", help="folder of the Hugging Face model")
     p.add_argument("dst", help="folder to write the converted model to")
@@ -197,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a destination folder that is not empty")
     p.set_defaults(fn=cmd_convert)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a saved model with lm-evaluation-harness")
     p.add_argument("model_dir")
     p.add_argument("--tasks", nargs="+", required=True)
@@ -205,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=1)
     p.set_defaults(fn=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
+    sub = parser.add_subparsers(dest="command")
+    for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_eval):
+        add(sub)
     return parser
 
 

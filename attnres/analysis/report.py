@@ -12,6 +12,7 @@ import json
 import math
 import shlex
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import read_json, read_jsonl
@@ -275,45 +276,76 @@ def _moe_text(m: dict) -> str:
             f"top-{m['moe_top_k']}, {balance}{capacity}")
 
 
-def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
-    """(Re)build ``compare_dir/report.md``, its figures and ``results.json`` from the saved
-    artifacts. ``baseline``: the design the others are compared with (default: the one the
-    comparison chose, see ``choose_baseline``)."""
-    compare_dir = Path(compare_dir)
-    plt = _matplotlib()
+@dataclass
+class Comparison:
+    """What every section of the report reads: the comparison's folder (where the figures go),
+    its index (``compare.json``), its runs in order and grouped by design, the baseline and the
+    numbers of ``results.json`` (``comparison_results``)."""
+
+    root: Path
+    index: dict
+    runs: list[dict]
+    designs: dict[str, list[dict]]
+    baseline: str
+    results: dict
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted({r["seed"] for r in self.runs})
+
+    def first_analyses(self, key: str) -> list[tuple[str, object]]:
+        """``(design, value)`` of analysis field ``key`` from each design's first run, where it
+        has one."""
+        return [(name, runs[0]["analysis"][key]) for name, runs in self.designs.items()
+                if runs[0]["analysis"] and runs[0]["analysis"].get(key)]
+
+
+def load_comparison(compare_dir: Path, baseline: str | None = None) -> Comparison:
+    """The comparison in ``compare_dir`` with its baseline: ``baseline`` when given, else the
+    one the comparison chose (``choose_baseline``)."""
     index, runs = load_runs(compare_dir)
     designs = by_design(runs)
     baseline = choose_baseline(designs, baseline or index.get("baseline"))
-    results = comparison_results(designs, baseline)
-    byte_tokens = runs[0]["config"]["data"]["tokenizer"] == "byte"
-    unit = "bits/byte" if byte_tokens else "bits/token"
-    first = runs[0]
-    tokens = first["summary"]["tokens"]
-    m = first["config"]["model"]
-    seeds = sorted({r["seed"] for r in runs})
+    return Comparison(Path(compare_dir), index, runs, designs, baseline, comparison_results(designs, baseline))
 
-    lines = [
+
+def _header(c: Comparison) -> list[str]:
+    """The title, the data, budget and model every design shared, and the summary table."""
+    first = c.runs[0]
+    run, m = first["config"]["run"], first["config"]["model"]
+    unit = "bits/byte" if first["config"]["data"]["tokenizer"] == "byte" else "bits/token"
+    return [
         "# Residual designs compared",
         "",
-        f"Data: {first['summary']['data']}. Every design saw the same {tokens:,} training tokens "
-        f"({first['config']['run']['steps']} steps of {first['config']['run']['batch_size']} x "
-        f"{first['config']['run']['seq_len']}) in the same order, from the same initial seed, and was "
-        f"evaluated on the same {first['config']['run']['eval_batches']} validation batches.",
+        f"Data: {first['summary']['data']}. Every design saw the same {first['summary']['tokens']:,} training tokens "
+        f"({run['steps']} steps of {run['batch_size']} x {run['seq_len']}) in the same order, from the same initial "
+        f"seed, and was evaluated on the same {run['eval_batches']} validation batches.",
         f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
-        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}. Seeds: {', '.join(map(str, seeds))}. "
-        f"Baseline: {baseline}. The numbers are also in `results.json`.",
+        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}. Seeds: {', '.join(map(str, c.seeds))}. "
+        f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
-        *_summary_lines(index, designs, results, unit),
+        *_summary_lines(c.index, c.designs, c.results, unit),
     ]
-    options = {r["design"]: r.get("options") for r in runs if r.get("options")}
-    if options:
-        lines += ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
-                  "", "| design | residual | options |", "|---|---|---|"]
-        for name, opts in options.items():
-            rest = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"  # as --set takes it
-                             for k, v in opts.items() if k != "residual") or "defaults"
-            lines.append(f"| {name} | {opts['residual']} | {rest} |")
-    lines += [
+
+
+def _options_section(c: Comparison) -> list[str]:
+    """Each design's residual options, as ``--set`` takes them (none for an older comparison)."""
+    options = {r["design"]: r.get("options") for r in c.runs if r.get("options")}
+    if not options:
+        return []
+    lines = ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
+             "", "| design | residual | options |", "|---|---|---|"]
+    for name, opts in options.items():
+        rest = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"  # as --set takes it
+                         for k, v in opts.items() if k != "residual") or "defaults"
+        lines.append(f"| {name} | {opts['residual']} | {rest} |")
+    return lines
+
+
+def _loss_section(c: Comparison, plt) -> list[str]:
+    """Why step times are left out, then the validation loss curves (``loss_curves.png``)."""
+    _fig_loss_curves(plt, c.designs, c.root / "loss_curves.png")
+    return [
         "",
         "Step times are not reported: the designs train one after another on a shared machine, so "
         "their times move with the machine's load (0.4x to 1.25x between two identical runs). "
@@ -324,54 +356,65 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         "![validation loss](loss_curves.png)",
         "",
     ]
-    _fig_loss_curves(plt, designs, compare_dir / "loss_curves.png")
 
-    heat = [(n, rs[0]["analysis"]) for n, rs in designs.items() if rs[0]["analysis"] and rs[0]["analysis"]["depth_weights"]]
-    if heat:
-        lines += ["## Depth weights", "",
-                  "Rows are routing sites (sublayers, then the output), columns the sources they route over: "
-                  "column 0 is the embedding; for Full AttnRes column j is sublayer j-1's output; for Block "
-                  "AttnRes the columns are the completed blocks in order, and the last filled cell of a row in "
-                  "the middle of a block is the partial sum of that block.", ""]
-        for name, analysis in heat:
-            fname = f"depth_weights_{name}.png"
-            _fig_depth_weights(plt, name, analysis, compare_dir / fname)
-            lines += [f"![{name} depth weights]({fname})", ""]
 
-    loads = [(n, rs[0]["analysis"]["expert_load"]) for n, rs in designs.items()
-             if rs[0]["analysis"] and rs[0]["analysis"].get("expert_load")]
-    if loads:
-        experts = len(loads[0][1][0])
-        seed = f" (seed {next(iter(designs.values()))[0]['seed']})" if len(seeds) > 1 else ""
-        lines += ["## Expert load", "",
-                  f"The fraction of top-{m['moe_top_k']} assignments each of the {experts} experts receives in each "
-                  f"layer of the trained model{seed}, on the validation batch of the depth weights "
-                  f"(1/{experts} = {1 / experts:.3f} is even). "
-                  "Imbalance is the most loaded expert's fraction times the number of experts (1.0: even), "
-                  "averaged over layers; the training log holds the same per step (`expert_load`).", "",
-                  "![expert load](expert_load.png)", "",
-                  "| design | imbalance (mean over layers) | most loaded | least loaded |", "|---|---|---|---|"]
-        for name, load in loads:
-            imbalance = sum(max(row) * len(row) for row in load) / len(load)
-            lines.append(f"| {name} | {imbalance:.3f} | {max(map(max, load)):.3f} | {min(map(min, load)):.3f} |")
-        lines.append("")
-        _fig_expert_load(plt, loads, compare_dir / "expert_load.png")
+def _depth_weights_section(c: Comparison, plt) -> list[str]:
+    """One heatmap of depth weights per design that routes over depth."""
+    heat = [(n, rs[0]["analysis"]) for n, rs in c.designs.items() if rs[0]["analysis"] and rs[0]["analysis"]["depth_weights"]]
+    if not heat:
+        return []
+    lines = ["## Depth weights", "",
+             "Rows are routing sites (sublayers, then the output), columns the sources they route over: "
+             "column 0 is the embedding; for Full AttnRes column j is sublayer j-1's output; for Block "
+             "AttnRes the columns are the completed blocks in order, and the last filled cell of a row in "
+             "the middle of a block is the partial sum of that block.", ""]
+    for name, analysis in heat:
+        fname = f"depth_weights_{name}.png"
+        _fig_depth_weights(plt, name, analysis, c.root / fname)
+        lines += [f"![{name} depth weights]({fname})", ""]
+    return lines
 
-    fig, ax = _fig_per_depth(
-        plt, designs, lambda r: (r["analysis"] or {}).get("read_rms"), "RMS (mean over tokens)",
-        "Hidden-state RMS at each read, before its norm", None, logy=True)
-    ax.set_xlabel("sublayer (last point: the output)")
+
+def _expert_load_section(c: Comparison, plt) -> list[str]:
+    """For mixture-of-experts models: the load per layer and expert, and its imbalance."""
+    loads = c.first_analyses("expert_load")
+    if not loads:
+        return []
+    m = c.runs[0]["config"]["model"]
+    experts = len(loads[0][1][0])
+    seed = f" (seed {next(iter(c.designs.values()))[0]['seed']})" if len(c.seeds) > 1 else ""
+    lines = ["## Expert load", "",
+             f"The fraction of top-{m['moe_top_k']} assignments each of the {experts} experts receives in each "
+             f"layer of the trained model{seed}, on the validation batch of the depth weights "
+             f"(1/{experts} = {1 / experts:.3f} is even). "
+             "Imbalance is the most loaded expert's fraction times the number of experts (1.0: even), "
+             "averaged over layers; the training log holds the same per step (`expert_load`).", "",
+             "![expert load](expert_load.png)", "",
+             "| design | imbalance (mean over layers) | most loaded | least loaded |", "|---|---|---|---|"]
+    for name, load in loads:
+        imbalance = sum(max(row) * len(row) for row in load) / len(load)
+        lines.append(f"| {name} | {imbalance:.3f} | {max(map(max, load)):.3f} | {min(map(min, load)):.3f} |")
+    lines.append("")
+    _fig_expert_load(plt, loads, c.root / "expert_load.png")
+    return lines
+
+
+def _save_per_depth(plt, c: Comparison, key, ylabel, title, xlabel, name) -> None:
+    fig, ax = _fig_per_depth(plt, c.designs, key, ylabel, title, None, logy=True)
+    ax.set_xlabel(xlabel)
     fig.tight_layout()
-    fig.savefig(compare_dir / "hidden_rms.png", dpi=120)
+    fig.savefig(c.root / name, dpi=120)
     plt.close(fig)
-    fig, ax = _fig_per_depth(
-        plt, designs, lambda r: r["summary"].get("layer_grad_norms"), "gradient L2 norm",
-        "Per-layer gradient norm, mean over the last 10% of steps", None, logy=True)
-    ax.set_xlabel("transformer layer")
-    fig.tight_layout()
-    fig.savefig(compare_dir / "grad_norms.png", dpi=120)
-    plt.close(fig)
-    lines += [
+
+
+def _depth_growth_section(c: Comparison, plt) -> list[str]:
+    """The hidden-state RMS at each read and the per-layer gradient norms, over depth."""
+    _save_per_depth(plt, c, lambda r: (r["analysis"] or {}).get("read_rms"), "RMS (mean over tokens)",
+                    "Hidden-state RMS at each read, before its norm", "sublayer (last point: the output)",
+                    "hidden_rms.png")
+    _save_per_depth(plt, c, lambda r: r["summary"].get("layer_grad_norms"), "gradient L2 norm",
+                    "Per-layer gradient norm, mean over the last 10% of steps", "transformer layer", "grad_norms.png")
+    return [
         "## Hidden-state growth over depth", "",
         "PreNorm's running sum grows with depth, diluting each new sublayer's contribution; "
         "AttnRes reads a normalized mix instead. For multi-stream designs the value is the mixed read.", "",
@@ -379,19 +422,36 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         "## Gradient norms per layer", "",
         "![gradient norms](grad_norms.png)", "",
     ]
-    probes = [(n, rs[0]["analysis"]["width_probe"]) for n, rs in designs.items()
-              if rs[0]["analysis"] and rs[0]["analysis"].get("width_probe")]
-    if probes:
-        lines += ["## Width disagreement (single-head models)", "",
-                  "Each trained single-head query is split into slices, each slice routes with its own "
-                  "softmax over the same sources, and the mean KL(slice || shared) is compared with a random "
-                  "query of equal norm. A positive probe says the width wants to route differently per slice: "
-                  "the case for multi-head routing.", "",
-                  "| design | slices | KL trained | KL random | probe |", "|---|---|---|---|---|"]
-        for name, p in probes:
-            lines.append(f"| {name} | {p['slices']} | {p['trained']:.4f} | {p['random']:.4f} | {p['probe']:+.4f} |")
-        lines.append("")
-    (compare_dir / "results.json").write_text(json.dumps(results, indent=2))
-    path = compare_dir / "report.md"
+
+
+def _width_probe_section(c: Comparison) -> list[str]:
+    """For single-head models: whether slices of the width would route differently."""
+    probes = c.first_analyses("width_probe")
+    if not probes:
+        return []
+    lines = ["## Width disagreement (single-head models)", "",
+             "Each trained single-head query is split into slices, each slice routes with its own "
+             "softmax over the same sources, and the mean KL(slice || shared) is compared with a random "
+             "query of equal norm. A positive probe says the width wants to route differently per slice: "
+             "the case for multi-head routing.", "",
+             "| design | slices | KL trained | KL random | probe |", "|---|---|---|---|---|"]
+    for name, p in probes:
+        lines.append(f"| {name} | {p['slices']} | {p['trained']:.4f} | {p['random']:.4f} | {p['probe']:+.4f} |")
+    lines.append("")
+    return lines
+
+
+def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
+    """(Re)build ``compare_dir/report.md``, its figures and ``results.json`` from the saved
+    artifacts. ``baseline``: the design the others are compared with (default: the one the
+    comparison chose, see ``choose_baseline``). The report's sections, in order: the header and
+    summary table, the designs' options, the validation loss, the depth weights, the expert
+    load, growth over depth, the width probe."""
+    plt = _matplotlib()
+    c = load_comparison(compare_dir, baseline)
+    lines = [*_header(c), *_options_section(c), *_loss_section(c, plt), *_depth_weights_section(c, plt),
+             *_expert_load_section(c, plt), *_depth_growth_section(c, plt), *_width_probe_section(c)]
+    (c.root / "results.json").write_text(json.dumps(c.results, indent=2))
+    path = c.root / "report.md"
     path.write_text("\n".join(lines))
     return path

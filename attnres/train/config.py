@@ -2,23 +2,19 @@
 
 A preset is a Python function returning a ``TrainConfig``; ``--set section.field=value``
 overrides one field, parsed by the field's type. Unknown keys are an error that lists the
-accepted ones.
+accepted ones. The fields are plain values: what each accepts and how they must agree is checked
+in one place, ``train/validate.py`` (``TrainConfig.validate``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
 
-import torch
-
 from ..model import ModelConfig
-from ..streams import build_stream
-from .pipeline import SCHEDULES, check_pipeline, stages_per_rank
-from .stage_cache import use_cache
+from .validate import FIELDS, check_run  # noqa: F401  (FIELDS: what each field accepts, read here by its users)
 
 
 @dataclass
@@ -104,138 +100,11 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the field, its value and what it accepts (``FIELDS``, the
-        residual options through the stream's own checks, and the fields that must agree)."""
-        for key, accepted in FIELDS.items():
-            section, name = key.split(".")
-            value = getattr(getattr(self, section), name)
-            if not accepted.accepts(value):
-                raise ValueError(f"{key}={value!r} must be {accepted}")
-        r, m = self.run, self.model
-        if r.batch_size % r.grad_accum:
-            raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
-        if r.seq_len > m.max_seq_len:
-            raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        if r.device != "auto":
-            try:
-                torch.device(r.device)
-            except RuntimeError:
-                raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
-        if r.pp_size > 1:
-            self._check_pipeline()
-        else:
-            given = [f"run.{name}={value!r}" for name, value, default in (
-                ("pp_split", r.pp_split, None), ("pp_microbatches", r.pp_microbatches, None),
-                ("pp_stages_per_rank", r.pp_stages_per_rank, None), ("pp_cache", r.pp_cache, "auto"))
-                if value != default]
-            if given:
-                raise ValueError(f"{', '.join(given)}: run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and "
-                                 f"run.pp_cache apply to a pipelined run: set run.pp_size > 1")
-        with torch.device("meta"):  # the residual options, checked by the stream itself, on no memory
-            build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
-
-    def _check_pipeline(self) -> None:
-        r, m = self.run, self.model
-        for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile),
-                            ("model.moe_experts", m.moe_experts > 0)):
-            if clash:
-                raise ValueError(f"run.pp_size={r.pp_size}: a pipelined run takes its micro-batches from "
-                                 f"run.pp_microbatches and runs eagerly on dense models; {name} is not supported with it")
-        try:
-            check_pipeline(r.pp_schedule, r.pp_size, m.num_sublayers, r.batch_size, r.pp_microbatches,
-                           r.pp_stages_per_rank, r.pp_split)
-            use_cache(r.pp_cache, m.residual, stages_per_rank(r.pp_schedule, r.pp_stages_per_rank))
-        except ValueError as err:
-            raise ValueError(f"run.pp_size={r.pp_size}, run.pp_schedule={r.pp_schedule!r}: {err}") from None
-
-
-@dataclass(frozen=True)
-class Range:
-    """The numbers a field accepts: from ``low`` to ``high`` (None: unbounded), each end closed
-    unless marked open; whole numbers only for ``integer``; None too for ``none``."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    integer: bool = False
-    none: bool = False
-
-    def accepts(self, value) -> bool:
-        if value is None:
-            return self.none
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and not isinstance(value, int)):
-            return False
-        if not math.isfinite(value):
-            return False
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
-
-    def __str__(self) -> str:
-        low = "-inf" if self.low is None else f"{self.low:g}"
-        high = "inf" if self.high is None else f"{self.high:g}"
-        text = f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high_open or self.high is None else ']'}"
-        text = ("an integer in " if self.integer else "in ") + text
-        return text + (" or None" if self.none else "")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The values a field accepts: one of ``options``."""
-
-    options: tuple
-
-    def accepts(self, value) -> bool:
-        return value in self.options
-
-    def __str__(self) -> str:
-        return f"one of {self.options}"
-
-
-def _count(low=1, **kw) -> Range:
-    return Range(low, integer=True, **kw)
-
-
-#: what each field accepts, checked by ``TrainConfig.validate`` before any work (the model's sizes
-#: and residual options are checked by ``ModelConfig`` and the streams); docs/RELIABILITY.md lists them
-FIELDS: dict[str, Range | Choice] = {
-    "model.ffn_dim": _count(),
-    "model.rope_theta": Range(0, low_open=True),
-    "model.norm_eps": Range(0, low_open=True),
-    "model.init_std": Range(0, low_open=True),
-    "data.tokenizer": Choice(("byte", "bpe")),
-    "data.bpe_vocab_size": _count(257),  # the 256 bytes and at least one merge
-    "data.val_fraction": Range(0, 1, low_open=True, high_open=True),
-    "data.max_train_tokens": _count(none=True),
-    "data.max_val_tokens": _count(none=True),
-    "optim.lr": Range(0, low_open=True),
-    "optim.weight_decay": Range(0),
-    "optim.beta1": Range(0, 1, high_open=True),
-    "optim.beta2": Range(0, 1, high_open=True),
-    "optim.warmup_steps": _count(0),
-    "optim.schedule": Choice(("cosine", "wsd", "constant")),
-    "optim.min_lr_ratio": Range(0, 1),
-    "optim.decay_fraction": Range(0, 1),
-    "optim.grad_clip": Range(0, low_open=True),
-    "run.steps": _count(),
-    "run.batch_size": _count(),
-    "run.seq_len": _count(),
-    "run.grad_accum": _count(),
-    "run.seed": _count(0),
-    "run.eval_every": _count(),
-    "run.eval_batches": _count(),
-    "run.log_every": _count(),
-    "run.ckpt_every": _count(0),
-    "run.autocast": Choice(("auto", "none")),
-    "run.parallel": Choice(("ddp", "fsdp")),
-    "run.pp_size": _count(),
-    "run.pp_schedule": Choice(SCHEDULES),
-    "run.pp_microbatches": _count(none=True),
-    "run.pp_stages_per_rank": _count(none=True),
-    "run.pp_cache": Choice(("auto", "on", "off")),
-}
+    def validate(self, processes: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field, its value and what it accepts: every check of
+        ``train/validate.py`` (``check_run``), the placement on ``processes`` processes too when
+        given."""
+        check_run(self, processes)
 
 
 # -- presets ---------------------------------------------------------------------------------

@@ -20,6 +20,10 @@ keeps on each rank the completed sources it has seen, and a hop sends only the o
 Stage placement: one stage per rank for ``gpipe`` and ``1f1b``; ``v >= 2`` for the looped
 schedules (``interleaved1f1b``, ``loopedbfs``), rank ``r`` holding stages ``r, r + P, ...``; exactly
 two for the V schedules (``zbv``, ``dualpipev``), rank ``r`` holding ``r`` and ``2P - 1 - r``.
+
+The options are checked with the run's other settings, before any process waits on another, in
+``validate.py`` (``check_pipeline``, ``stages_per_rank``, ``stage_sizes``); the builder checks
+them again for callers that come without a ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -32,42 +36,21 @@ from torch import nn
 
 from ..model import Transformer, lm_loss
 from .stage_cache import SourceCache, sources_held, use_cache
+from .validate import MULTI_STAGE, V_SHAPED, check_pipeline, stage_sizes, stages_per_rank
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
-#: schedules that run several stages on every rank, and those of them that place two in a V
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
+#: each schedule's class in ``torch.distributed.pipelining`` (imported when a pipeline is built);
+#: ``validate.SCHEDULES`` names the same, as plain data for the checks
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+                    "loopedbfs": "ScheduleLoopedBFS", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 def stage_bounds(num_sublayers: int, stages: int, split=None) -> list[tuple[int, int]]:
     """``[(first, last), ...]``: the sublayers of each stage, ``split`` (sublayers per stage) or
     as even as they go, the earlier stages taking one more where they do not divide."""
-    if type(stages) is not int or not 1 <= stages <= num_sublayers:
-        raise ValueError(f"{stages!r} stages for {num_sublayers} sublayers: a stage needs at least one sublayer")
-    if split is None:
-        base, extra = divmod(num_sublayers, stages)
-        split = [base + (k < extra) for k in range(stages)]
-    split = list(split)
-    if len(split) != stages or any(type(n) is not int or n < 1 for n in split) or sum(split) != num_sublayers:
-        raise ValueError(f"split={split} must be {stages} positive sublayer counts summing to {num_sublayers}")
-    ends = [sum(split[: k + 1]) for k in range(stages)]
+    sizes = stage_sizes(num_sublayers, stages, split)
+    ends = [sum(sizes[: k + 1]) for k in range(stages)]
     return list(zip([0, *ends[:-1]], ends))
-
-
-def stages_per_rank(schedule: str, given: int | None = None) -> int:
-    """Stages on each rank under ``schedule``: ``given``, or 1 for ``gpipe``/``1f1b`` and 2 for
-    the others; refused where the schedule cannot run it."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
-    v = given if given is not None else (2 if schedule in MULTI_STAGE else 1)
-    if schedule in V_SHAPED and v != 2:
-        raise ValueError(f"schedule {schedule!r} runs exactly 2 stages per rank, given {v}")
-    if schedule in MULTI_STAGE and (type(v) is not int or v < 2):
-        raise ValueError(f"schedule {schedule!r} runs 2 or more stages per rank, given {v!r}")
-    if schedule not in MULTI_STAGE and v != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank, given {v!r}; the looped schedules "
-                         f"(interleaved1f1b, loopedbfs) run several")
-    return v
 
 
 def stage_indices(schedule: str, rank: int, ranks: int, per_rank: int | None = None) -> list[int]:
@@ -76,22 +59,6 @@ def stage_indices(schedule: str, rank: int, ranks: int, per_rank: int | None = N
     if schedule in V_SHAPED:
         return sorted([rank, 2 * ranks - 1 - rank])
     return [rank + k * ranks for k in range(v)]
-
-
-def check_pipeline(schedule: str, ranks: int, num_sublayers: int, batch: int | None, microbatches: int | None = None,
-                   per_rank: int | None = None, split=None) -> tuple[int, int]:
-    """``(stages, microbatches)`` of a pipeline over ``ranks`` ranks, every option checked
-    (before any process waits on another): ``microbatches`` (default: the number of stages)
-    dividing ``batch`` (when given), at least the number of stages where the schedule needs it,
-    and the split covering the sublayers."""
-    stages = ranks * stages_per_rank(schedule, per_rank)
-    stage_bounds(num_sublayers, stages, split)
-    mb = stages if microbatches is None else microbatches
-    if type(mb) is not int or mb < 1 or (batch is not None and batch % mb):
-        raise ValueError(f"{mb!r} micro-batches must be a positive integer dividing the batch of {batch}")
-    if schedule in ("1f1b", "dualpipev") and mb < stages:
-        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches as stages ({stages}), given {mb}")
-    return stages, mb
 
 
 @torch.no_grad()
@@ -289,9 +256,7 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
             # weight part alone here, so the whole backward runs in the input part
             kwargs["dw_builder"] = lambda: (lambda: None)
         stages.append(pp.PipelineStage(module, index, n_stages, device, group=group, **kwargs))
-    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved1f1b": pp.ScheduleInterleaved1F1B,
-           "loopedbfs": pp.ScheduleLoopedBFS, "zbv": pp.ScheduleZBVZeroBubble,
-           "dualpipev": pp.ScheduleDualPipeV}[schedule]
+    cls = getattr(pp, SCHEDULE_CLASSES[schedule])
     # the gradients are scaled once, after the step: two local stages share the model's parameters
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)

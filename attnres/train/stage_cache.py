@@ -22,21 +22,14 @@ from __future__ import annotations
 
 import torch
 
-#: the designs whose sources, once completed, never change: what the cache can hold
-CACHED_RESIDUALS = ("full", "block", "delta")
+from .validate import CACHED_RESIDUALS, check_cache
 
 
 def use_cache(setting: str, residual: str, stages_per_rank: int) -> bool:
-    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the AttnRes family with
-    more than one stage per rank). ``on`` for a design without completed sources is refused."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"run.pp_cache={setting!r} must be one of ('auto', 'on', 'off')")
-    if setting == "on" and residual not in CACHED_RESIDUALS:
-        raise ValueError(f"run.pp_cache='on' keeps the completed sources of the AttnRes family {CACHED_RESIDUALS}; "
-                         f"model.residual={residual!r} sends one state that changes at every sublayer")
-    if setting == "on" and stages_per_rank < 2:
-        raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {stages_per_rank} "
-                         f"stage per rank there are none (the looped and V schedules run several)")
+    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the AttnRes family,
+    ``CACHED_RESIDUALS``, with more than one stage per rank). A setting it cannot serve is
+    refused (``validate.check_cache``)."""
+    check_cache(setting, residual, stages_per_rank)
     if setting == "auto":
         return residual in CACHED_RESIDUALS and stages_per_rank > 1
     return setting == "on"

@@ -1,30 +1,42 @@
 """The training loop: AdamW with parameter groups, warmup then cosine/WSD, clipping, gradient
 accumulation, bf16 autocast on GPU, optional torch.compile, periodic evaluation, checkpoints that
-survive crashes and signals, and metrics as JSONL (plus TensorBoard when installed)."""
+survive crashes and signals, and metrics as JSONL (plus TensorBoard when installed).
+
+``train`` runs a run's parts in order, each a function over the ``Run`` that ``start`` makes:
+
+1. the checks: every setting and its placement on the job's processes (``validate.check_run``),
+   then the run folder (``run_dir.check_run_dir``, the one part that deletes); nothing before
+   them writes, allocates or waits on another process;
+2. ``start``: the processes (``start_processes``), the data (``load_data``), the model, wrapped
+   for data parallelism or cut into pipeline stages (``build_model``), and the optimizer;
+3. ``restore`` (``resume=True``): the latest checkpoint's weights, optimizer, RNG and statistics;
+4. ``run_steps``: each optimizer step (``train_step``), logged, evaluated (``evaluate``) and
+   checkpointed (``save``) when due; SIGINT/SIGTERM saves a checkpoint and stops;
+5. ``summarize``: the run's numbers, written to ``summary.json``.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import signal
 import threading
 import time
-import warnings
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from ..model import Transformer, lm_loss, param_groups
-from ..moe import ExpertStats, expert_load
 from . import distributed as dist
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
-from .pipeline import build_pipeline, check_pipeline, pipeline_groups
+from .pipeline import Pipeline, build_pipeline, pipeline_groups
+from .run_dir import Metrics, check_run_dir, write_json
+from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
@@ -41,22 +53,6 @@ class TrainResult:
     interrupted: bool = False
 
 
-def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) out of ``total``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    decay_start = int(total * (1 - cfg.decay_fraction))  # wsd: warmup, stable, linear decay
-    if step < decay_start:
-        return cfg.lr
-    return cfg.lr + (floor - cfg.lr) * (step - decay_start + 1) / max(1, total - decay_start)
-
-
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -67,51 +63,217 @@ def peak_memory_mib(device: torch.device) -> float:
     return float("nan")
 
 
-def layer_grad_norms(model: Transformer) -> list[float]:
-    """L2 norm of each transformer layer's parameter gradients."""
-    norms = []
-    for layer in model.layers:
-        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in layer.parameters() if p.grad is not None)
-        norms.append(math.sqrt(sq))
-    return norms
+# -- 2. start --------------------------------------------------------------------------------
+
+@dataclass
+class Placement:
+    """Where this process runs: its rank and device (``info``) and its part of every batch,
+    data-parallel rank ``dp_rank`` of ``dp_size`` (the ranks of one pipeline share their copy's
+    part); in a pipeline, the group of its stages and the ranks holding the same stages in the
+    other copies (``replicas``, None with one copy)."""
+
+    info: dist.DistInfo
+    dp_rank: int
+    dp_size: int
+    pipeline_group: object = None
+    replicas: object = None
 
 
-def step_counts(stats: list[ExpertStats]) -> torch.Tensor:
-    """One optimizer step's assignments per MoE layer and expert ``[L, E]``, summed over its
-    micro-batches' ``stats`` and over ranks."""
-    return dist.sum_across_ranks(torch.stack([s.load() for s in stats]).sum(0))
+def start_processes(cfg: TrainConfig) -> Placement:
+    """The process group (under torchrun) and, for a pipeline, its ``(dp, pp)`` device mesh."""
+    info = dist.setup(cfg.run.device)
+    if cfg.run.pp_size == 1:
+        return Placement(info, info.rank, info.world_size)
+    group, replicas, dp_rank, dp_size = pipeline_groups(cfg.run.pp_size)
+    return Placement(info, dp_rank, dp_size, group, replicas)
 
 
-def expert_record(stats: list[ExpertStats], counts: torch.Tensor) -> dict:
-    """The log's MoE fields for one optimizer step (``counts`` from ``step_counts``):
-    ``expert_load`` (the fraction of assignments per expert, per MoE layer),
-    ``expert_imbalance`` (the most loaded expert's fraction times E, mean over layers; 1.0 is
-    balanced), ``moe_aux_loss`` (the balance loss before its weight) and, with a capacity,
-    ``expert_dropped`` (the fraction of assignments dropped)."""
-    load = expert_load(counts)
-    record = dict(expert_load=[[round(float(f), 6) for f in row] for row in load],
-                  expert_imbalance=float((load.max(-1).values * load.shape[-1]).mean()),
-                  moe_aux_loss=float(dist.mean_across_ranks(torch.stack([s.aux_loss().detach() for s in stats]).mean())))
-    if stats[0].dropped:
-        dropped = dist.sum_across_ranks(torch.stack([torch.stack(s.dropped).sum() for s in stats]).sum())
-        record["expert_dropped"] = float(dropped / counts.sum())
-    return record
+def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> tuple[TrainConfig, Corpus]:
+    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``), and
+    ``cfg`` with the corpus's vocabulary size; both splits hold a sequence."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
+    if corpus.vocab_size != cfg.model.vocab_size:
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
+    check_length(corpus.train, cfg.run.seq_len, "training")
+    check_length(corpus.val, cfg.run.seq_len, "validation")
+    return cfg, corpus
 
 
-def accumulate_gradients(loss_of, x: torch.Tensor, y: torch.Tensor, grad_accum: int = 1,
-                         context=lambda k: nullcontext()) -> torch.Tensor:
-    """The gradients of one optimizer step: ``x, y`` ``[B, T]`` split into ``grad_accum`` equal
-    micro-batches, each ``loss_of(xs, ys) / grad_accum`` backpropagated inside ``context(k)``
-    (``k``: the micro-batch). Returns the step's loss, a detached scalar. The caller zeroes the
-    gradients before and clips and steps after."""
-    micro = x.shape[0] // grad_accum
-    total = torch.zeros((), device=x.device)
-    for k in range(grad_accum):
-        with context(k):
-            loss = loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]) / grad_accum
-        loss.backward()
-        total += loss.detach()
-    return total
+def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Module, nn.Module, Pipeline | None]:
+    """``(model, wrapped, forward, pipe)``: the model, initialized from ``run.seed`` on this
+    process's device; ``wrapped`` in DDP/FSDP2 when data parallel (the model itself in a
+    pipeline); ``forward``, what a micro-batch's loss runs through (``wrapped``, compiled with
+    ``run.compile``); ``pipe``, this rank's stages of the pipeline, or None."""
+    r = cfg.run
+    torch.manual_seed(r.seed)
+    model = Transformer(cfg.model).to(place.info.device)
+    if r.pp_size > 1:
+        pipe = build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank,
+                              split=r.pp_split, group=place.pipeline_group, replicas=place.replicas,
+                              device=place.info.device, cache=r.pp_cache)
+        return model, model, model, pipe
+    wrapped = dist.wrap(model, r.parallel, place.info)
+    return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
+
+
+def build_optimizer(cfg: OptimConfig, model: Transformer) -> torch.optim.Optimizer:
+    """AdamW over ``param_groups`` (no weight decay on norms, biases and routing vectors)."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def autocast_for(device: torch.device, setting: str) -> Callable:
+    """A context factory: bf16 autocast on CUDA with ``run.autocast=auto``, nothing otherwise."""
+    if device.type == "cuda" and setting == "auto":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext
+
+
+@dataclass
+class Run:
+    """What the parts of one run share. ``start`` makes it; ``restore`` sets ``start_step`` and
+    ``grad_norms`` from a checkpoint; each step advances the weights and ``grad_norms``.
+    ``cfg`` carries the corpus's vocabulary size; ``experts`` is the MoE side of the steps (None
+    for a dense model)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    place: Placement
+    corpus: Corpus
+    model: Transformer
+    wrapped: nn.Module
+    forward: nn.Module
+    pipe: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    autocast: Callable
+    experts: ExpertSteps | None
+    grad_norms: LayerGradNorms = field(default_factory=LayerGradNorms)
+    start_step: int = 0
+
+    @property
+    def info(self) -> dist.DistInfo:
+        return self.place.info
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.run.batch_size * self.cfg.run.seq_len
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of step ``step``'s batch ``[B / dp_size, T]``, on its device."""
+        r, place = self.cfg.run, self.place
+        x, y = batch_at(self.corpus.train, r.batch_size, r.seq_len, r.seed, step)
+        per_rank = r.batch_size // place.dp_size
+        rows = slice(place.dp_rank * per_rank, (place.dp_rank + 1) * per_rank)
+        return x[rows].to(self.info.device), y[rows].to(self.info.device)
+
+    def loss(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss through ``forward`` (for MoE, with the weighted balance loss)."""
+        if self.experts is not None:
+            return self.experts.loss(self.forward, xs, ys)
+        return lm_loss(self.forward(xs), ys)
+
+    def micro_batch(self, k: int):
+        """Micro-batch ``k``'s context: DDP's gradient synchronization held back but for the
+        last, autocast."""
+        return micro_step(self.wrapped, k < self.cfg.run.grad_accum - 1, self.autocast)
+
+
+def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> Run:
+    """Everything a run needs before its first step, in order: processes, data, model, optimizer."""
+    place = start_processes(cfg)
+    cfg, corpus = load_data(cfg, run_dir, corpus)
+    model, wrapped, forward, pipe = build_model(cfg, place)
+    optimizer = build_optimizer(cfg.optim, model)
+    device = place.info.device
+    experts = ExpertSteps(model, cfg.run.grad_accum, device) if cfg.model.moe_experts else None
+    return Run(cfg, run_dir, place, corpus, model, wrapped, forward, pipe, optimizer,
+               autocast_for(device, cfg.run.autocast), experts)
+
+
+# -- 3. restore, and its counterpart save ----------------------------------------------------
+
+def restore(run: Run) -> None:
+    """Continue from ``run``'s latest checkpoint exactly where it stopped: the weights, the
+    optimizer, the RNG, the step and the gradient-norm statistics."""
+    path = latest_checkpoint(run.ckpt_root)
+    if path is None:
+        raise CheckpointError(f"--resume: no checkpoint in {run.ckpt_root}")
+    weights, state = load_checkpoint(path, run.cfg.model)
+    dist.load_full_state(run.model, run.optimizer, weights, state["optimizer"], run.info)
+    torch.set_rng_state(state["rng"])
+    run.start_step = int(state["step"])
+    if run.start_step >= run.cfg.run.steps:
+        raise ValueError(
+            f"the run in {run.run_dir} already finished its {run.start_step} steps; resume with "
+            f"--set run.steps=N (N > {run.start_step}) to train further"
+        )
+    run.grad_norms = LayerGradNorms.from_state(state)
+
+
+def save(run: Run, step: int) -> None:
+    """Checkpoint ``step``: the full weights and optimizer state (gathered from every rank), the
+    RNG, the config and the gradient-norm statistics, written by the main rank."""
+    model_state, optim_state = dist.full_state(run.model, run.optimizer, run.info)
+    if run.info.is_main:
+        train_state = dict(optimizer=optim_state, rng=torch.get_rng_state(), step=step, config=to_dict(run.cfg),
+                           **run.grad_norms.state())
+        save_checkpoint(run.ckpt_root, step, model_state, train_state)
+    dist.barrier()
+
+
+# -- 4. the steps ----------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    """One optimizer step: its learning rate, loss (the mean over ranks; the language model's
+    for MoE), gradient norm before clipping, MoE log fields (``{}`` unless logged) and seconds."""
+
+    lr: float
+    loss: float
+    grad_norm: float
+    routing: dict
+    seconds: float
+
+
+def compute_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """This rank's gradients of the step's rows ``x, y``: through the pipeline's schedule, or in
+    ``run.grad_accum`` micro-batches. Returns the step's loss (for MoE, without the balance loss)."""
+    if run.pipe is not None:
+        return run.pipe.step(x, y)
+    if run.experts is not None:
+        run.experts.start()
+    loss = accumulate_gradients(run.loss, x, y, run.cfg.run.grad_accum, run.micro_batch)
+    return run.experts.lm if run.experts is not None else loss
+
+
+def train_step(run: Run, step: int, logging: bool) -> StepResult:
+    """Optimizer step ``step`` (0-based): the learning rate set, the gradients, a non-finite loss
+    refused (``TrainingDiverged``), clipping, the per-layer gradient norms recorded over the last
+    10% of steps (one process), the update, and for MoE the balance bias (and, when ``logging``,
+    the log's expert fields)."""
+    r, o = run.cfg.run, run.cfg.optim
+    lr = lr_at(step, r.steps, o)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    start_time = time.perf_counter()
+    x, y = run.batch(step)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = float(dist.mean_across_ranks(compute_gradients(run, x, y)))
+    if not math.isfinite(loss):
+        raise TrainingDiverged(
+            f"loss is {loss} at step {step + 1}; stopping. The last good checkpoint "
+            f"({latest_checkpoint(run.ckpt_root) or 'none yet'}) is kept; lower optim.lr or raise optim.warmup_steps"
+        )
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), o.grad_clip))
+    if step >= int(r.steps * 0.9) and not run.info.distributed:
+        run.grad_norms.add(run.model)
+    run.optimizer.step()
+    routing = run.experts.finish(logging) if run.experts is not None else {}
+    return StepResult(lr, loss, grad_norm, routing, time.perf_counter() - start_time)
 
 
 @torch.no_grad()
@@ -156,75 +318,27 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop the rows of the JSONL log ``path`` written after ``step``: a run that stopped after
-    its checkpoint at ``step`` logged them, and resuming from that checkpoint logs them again.
-    A row cut short by a crash is dropped too. The file is replaced atomically."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+@dataclass
+class Progress:
+    """How far the steps got: the last step done, the seconds spent in steps, the last training
+    and validation losses, and whether a signal stopped them."""
+
+    done: int
+    step_time: float = 0.0
+    last_loss: float = float("nan")
+    val_loss: float | None = None
+    interrupted: bool = False
+
+    def add(self, done: int, result: StepResult) -> None:
+        self.done, self.last_loss = done, result.loss
+        self.step_time += result.seconds
+
+    def tokens_per_s(self, run: Run) -> float:
+        """Training throughput over this job's steps."""
+        return run.tokens_per_step * (self.done - run.start_step) / self.step_time
 
 
-class _Metrics:
-    """JSONL metrics on the main rank, mirrored to TensorBoard when it is installed. Resuming
-    from the checkpoint at ``resume_step`` first drops what was logged after it."""
-
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int | None = None):
-        self.enabled = enabled
-        if enabled and resume_step is not None:
-            truncate_log(run_dir / "metrics.jsonl", resume_step)
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # purge_step: events at later steps, from before a crash, are discarded
-                purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
-            except ImportError:
-                warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only", stacklevel=2)
-
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            split, step = record["split"], record["step"]
-            for k, v in record.items():
-                if k not in ("step", "tokens", "split") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
-            for layer, load in enumerate(record.get("expert_load") or ()):
-                for expert, fraction in enumerate(load):
-                    self.tb.add_scalar(f"{split}/expert_load/layer{layer}/expert{expert}", fraction, step)
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-@contextmanager
-def micro_step(wrapped, no_sync: bool, autocast):
-    """A micro-batch's forward: gradient synchronization held back until the last one, autocast."""
-    with dist.no_sync(wrapped, no_sync), autocast():
-        yield
-
-
-def _progress(total: int, initial: int, enabled: bool):
+def _progress_bar(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm
@@ -232,26 +346,80 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
 
 
-#: what a run writes into its folder (``overwrite`` removes these and nothing else)
-RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints", "tensorboard")
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, before any work, to start a new run in a folder that holds one (its config,
-    checkpoints and log would be overwritten or appended to) unless ``resume`` or
-    ``overwrite``; with ``overwrite`` the old run's files go."""
-    held = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not held or resume:
-        return
-    if not overwrite:
-        raise ValueError(f"{run_dir} already holds a run ({', '.join(held)}); continue it with --resume "
-                         "or start over with --overwrite")
-    for name in held:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
+def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
+    """Optimizer steps from ``run.start_step`` to ``run.steps``, each logged every
+    ``run.log_every``, evaluated every ``run.eval_every`` and checkpointed every
+    ``run.ckpt_every`` (and at the end). A SIGINT or SIGTERM on any rank saves a checkpoint after
+    the current step and stops."""
+    r = run.cfg.run
+    progress = Progress(run.start_step)
+    run.model.train()
+    with _Signals() as signals:
+        for step in range(run.start_step, r.steps):
+            done = step + 1
+            logging = done % r.log_every == 0 or done == r.steps
+            result = train_step(run, step, logging)
+            progress.add(done, result)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{progress.tokens_per_s(run):.0f}")
+            if logging:
+                metrics.log(dict(split="train", step=done, tokens=done * run.tokens_per_step, loss=result.loss,
+                                 lr=result.lr, grad_norm=result.grad_norm, tokens_per_s=progress.tokens_per_s(run),
+                                 **result.routing))
+            if done % r.eval_every == 0 or done == r.steps:
+                progress.val_loss = evaluate(run.forward, run.corpus.val, run.cfg, run.info, run.autocast,
+                                             run.place.dp_rank, run.place.dp_size)
+                metrics.log(dict(split="val", step=done, tokens=done * run.tokens_per_step, val_loss=progress.val_loss))
+                if bar is not None:
+                    bar.write(f"step {done}: val loss {progress.val_loss:.4f}")
+            if dist.broadcast_flag(signals.received is not None, run.info):
+                save(run, done)
+                progress.interrupted = True
+                break
+            if r.ckpt_every and done % r.ckpt_every == 0 and done < r.steps:
+                save(run, done)
         else:
-            path.unlink()
+            save(run, r.steps)
+    return progress
+
+
+def run_logged(run: Run, resumed: bool) -> Progress:
+    """``run_steps`` with the metrics log open (on a resume, cut back to its checkpoint) and the
+    progress bar on the main rank; both closed however the steps end."""
+    r = run.cfg.run
+    metrics = Metrics(run.run_dir, run.info.is_main, r.tensorboard, run.start_step if resumed else None)
+    bar = _progress_bar(r.steps, run.start_step, r.progress and run.info.is_main)
+    try:
+        return run_steps(run, metrics, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+
+
+# -- 5. the summary --------------------------------------------------------------------------
+
+def summarize(run: Run, progress: Progress) -> dict:
+    """The run's numbers (``summary.json``): its steps and tokens, final losses, parameters,
+    time and throughput over this job's steps, peak memory, mean per-layer gradient norms."""
+    tokens_per_step = run.tokens_per_step
+    steps_run = max(1, progress.done - run.start_step)
+    return dict(
+        residual=run.cfg.model.residual,
+        steps=progress.done,
+        tokens=progress.done * tokens_per_step,
+        final_train_loss=progress.last_loss,
+        final_val_loss=progress.val_loss,
+        parameters=sum(p.numel() for p in run.model.parameters()),
+        step_time_s=progress.step_time / steps_run,
+        tokens_per_s=tokens_per_step * steps_run / progress.step_time if progress.step_time else float("nan"),
+        peak_memory_mib=peak_memory_mib(run.info.device),
+        layer_grad_norms=run.grad_norms.mean(),
+        interrupted=progress.interrupted,
+        data=run.corpus.description,
+        world_size=run.info.world_size,
+    )
 
 
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
@@ -262,190 +430,16 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     folder that already holds a run is refused unless ``resume`` or ``overwrite`` (which removes
     that run's files first).
     """
-    cfg.validate()
-    check_run_dir(Path(run_dir), resume, overwrite)
-    r, o = cfg.run, cfg.optim
-    pipelined = r.pp_size > 1
-    world = dist.launched_world_size()
-    if pipelined and world % r.pp_size:  # before any process waits on another
-        raise ValueError(f"run.pp_size={r.pp_size} must divide the job's {world} processes (torchrun "
-                         f"--nproc_per_node=N, N a multiple of {r.pp_size}: the pipelines run side by side)")
-    if pipelined:  # each copy of the pipeline splits its part of the batch into the micro-batches
-        copies = world // r.pp_size
-        if r.batch_size % copies:
-            raise ValueError(f"run.batch_size={r.batch_size} must be divisible by the {copies} copies of the pipeline")
-        check_pipeline(r.pp_schedule, r.pp_size, cfg.model.num_sublayers, r.batch_size // copies, r.pp_microbatches,
-                       r.pp_stages_per_rank, r.pp_split)
-    if pipelined and r.parallel != "ddp":
-        raise ValueError(f"run.pp_size={r.pp_size}: the copies of a pipeline average their gradients as DDP does; "
-                         f"run.parallel={r.parallel!r} is not supported with it")
-    info = dist.setup(cfg.run.device)
-    # the data-parallel ranks split the batch; the ranks of one pipeline all see their replica's part
-    pipeline_group = replicas = None
-    if pipelined:
-        pipeline_group, replicas, dp_rank, dp_size = pipeline_groups(r.pp_size)
-    else:
-        dp_rank, dp_size = info.rank, info.world_size
-    if r.batch_size % (dp_size * r.grad_accum):
-        raise ValueError(
-            f"run.batch_size={r.batch_size} must be divisible by world size {info.world_size} x "
-            f"run.grad_accum={r.grad_accum}"
-        )
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
-    if corpus.vocab_size != cfg.model.vocab_size:
-        cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
-    check_length(corpus.train, r.seq_len, "training")
-    check_length(corpus.val, r.seq_len, "validation")
-
-    torch.manual_seed(r.seed)
-    model = Transformer(cfg.model).to(info.device)
-    wrapped = model if pipelined else dist.wrap(model, r.parallel, info)
-    forward = torch.compile(wrapped) if r.compile else wrapped
-    pipe = (build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank, split=r.pp_split,
-                           group=pipeline_group, replicas=replicas, device=info.device, cache=r.pp_cache)
-            if pipelined else None)
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
-    autocast = (
-        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        if info.device.type == "cuda" and r.autocast == "auto" else nullcontext
-    )
-
-    ckpt_root = run_dir / "checkpoints"
-    start_step, grad_norm_sums, grad_norm_count = 0, None, 0
+    cfg.validate(dist.launched_world_size())  # before any process waits on another
+    check_run_dir(run_dir, resume, overwrite)
+    run = start(cfg, run_dir, corpus)
     if resume:
-        path = latest_checkpoint(ckpt_root)
-        if path is None:
-            raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
-        weights, state = load_checkpoint(path, cfg.model)
-        dist.load_full_state(model, optimizer, weights, state["optimizer"], info)
-        torch.set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        if start_step >= r.steps:
-            raise ValueError(
-                f"the run in {run_dir} already finished its {start_step} steps; resume with "
-                f"--set run.steps=N (N > {start_step}) to train further"
-            )
-        grad_norm_sums, grad_norm_count = state.get("grad_norm_sums"), int(state.get("grad_norm_count", 0))
-        if grad_norm_sums is not None:
-            grad_norm_sums = grad_norm_sums.tolist()
-
-    if info.is_main:
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    metrics = _Metrics(run_dir, info.is_main, r.tensorboard, start_step if resume else None)
-    tokens_per_step = r.batch_size * r.seq_len
-    per_rank = r.batch_size // dp_size
-    record_from = int(r.steps * 0.9)  # gradient norms are averaged over the last 10% of steps
-
-    def save(step: int) -> None:
-        model_state, optim_state = dist.full_state(model, optimizer, info)
-        if info.is_main:
-            train_state = dict(
-                optimizer=optim_state, rng=torch.get_rng_state(), step=step, config=to_dict(cfg),
-                grad_norm_sums=torch.tensor(grad_norm_sums) if grad_norm_sums is not None else None,
-                grad_norm_count=grad_norm_count,
-            )
-            save_checkpoint(ckpt_root, step, model_state, train_state)
-        dist.barrier()
-
-    moe = bool(cfg.model.moe_experts)
-    step_stats: list[ExpertStats] = []  # the MoE routing of the current step's micro-batches
-    step_lm = torch.zeros((), device=info.device)  # an MoE step's loss without the balance loss
-
-    def loss_of(xs, ys):
-        if not moe:
-            return lm_loss(forward(xs), ys)
-        experts = ExpertStats()
-        step_stats.append(experts)
-        lm = lm_loss(forward(xs, experts=experts), ys)
-        step_lm.add_(lm.detach() / r.grad_accum)
-        return lm + model.moe_aux_loss(experts)
-
-    step_time, val_loss, interrupted, last_loss = 0.0, None, False, float("nan")
-    bar = _progress(r.steps, start_step, r.progress and info.is_main)
-    model.train()
-    try:
-        with _Signals() as signals:
-            for step in range(start_step, r.steps):
-                lr = lr_at(step, r.steps, o)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                start = time.perf_counter()
-                x, y = batch_at(corpus.train, r.batch_size, r.seq_len, r.seed, step)
-                x = x[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(info.device)
-                y = y[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(info.device)
-                optimizer.zero_grad(set_to_none=True)
-                step_stats.clear()
-                step_lm.zero_()
-                if pipelined:
-                    loss_sum = pipe.step(x, y)
-                else:
-                    loss_sum = accumulate_gradients(loss_of, x, y, r.grad_accum,
-                                                    lambda k: micro_step(wrapped, k < r.grad_accum - 1, autocast))
-                if moe:  # the logged loss is the language model's; the balance loss is logged apart
-                    loss_sum = step_lm
-                last_loss = float(dist.mean_across_ranks(loss_sum))
-                if not math.isfinite(last_loss):
-                    raise TrainingDiverged(
-                        f"loss is {last_loss} at step {step + 1}; stopping. The last good checkpoint "
-                        f"({latest_checkpoint(ckpt_root) or 'none yet'}) is kept; lower optim.lr or raise optim.warmup_steps"
-                    )
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip))
-                if step >= record_from and not info.distributed:
-                    norms = layer_grad_norms(model)
-                    grad_norm_sums = norms if grad_norm_sums is None else [a + b for a, b in zip(grad_norm_sums, norms)]
-                    grad_norm_count += 1
-                optimizer.step()
-                done = step + 1
-                logging = done % r.log_every == 0 or done == r.steps
-                if moe and (logging or cfg.model.moe_balance == "bias"):
-                    counts = step_counts(step_stats)
-                    model.update_expert_bias(counts)  # nothing for the "aux" balance
-                    routing = expert_record(step_stats, counts) if logging else {}
-                step_time += time.perf_counter() - start
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step * (done - start_step) / step_time:.0f}")
-                if logging:
-                    metrics.log(dict(split="train", step=done, tokens=done * tokens_per_step, loss=last_loss,
-                                     lr=lr, grad_norm=grad_norm,
-                                     tokens_per_s=tokens_per_step * (done - start_step) / step_time,
-                                     **(routing if moe else {})))
-                if done % r.eval_every == 0 or done == r.steps:
-                    val_loss = evaluate(forward, corpus.val, cfg, info, autocast, dp_rank, dp_size)
-                    metrics.log(dict(split="val", step=done, tokens=done * tokens_per_step, val_loss=val_loss))
-                    if bar is not None:
-                        bar.write(f"step {done}: val loss {val_loss:.4f}")
-                if dist.broadcast_flag(signals.received is not None, info):
-                    save(done)
-                    interrupted = True
-                    break
-                if r.ckpt_every and done % r.ckpt_every == 0 and done < r.steps:
-                    save(done)
-            else:
-                save(r.steps)
-    finally:
-        if bar is not None:
-            bar.close()
-        metrics.close()
-
-    steps_run = max(1, (r.steps if not interrupted else done) - start_step)
-    summary = dict(
-        residual=cfg.model.residual,
-        steps=r.steps if not interrupted else done,
-        tokens=(r.steps if not interrupted else done) * tokens_per_step,
-        final_train_loss=last_loss,
-        final_val_loss=val_loss,
-        parameters=sum(p.numel() for p in model.parameters()),
-        step_time_s=step_time / steps_run,
-        tokens_per_s=tokens_per_step * steps_run / step_time if step_time else float("nan"),
-        peak_memory_mib=peak_memory_mib(info.device),
-        layer_grad_norms=[s / grad_norm_count for s in grad_norm_sums] if grad_norm_count else None,
-        interrupted=interrupted,
-        data=corpus.description,
-        world_size=info.world_size,
-    )
-    if info.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return TrainResult(model, summary, corpus, interrupted)
+        restore(run)
+    if run.info.is_main:
+        write_json(run_dir / "config.json", to_dict(run.cfg))
+    progress = run_logged(run, resume)
+    summary = summarize(run, progress)
+    if run.info.is_main:
+        write_json(run_dir / "summary.json", summary)
+    return TrainResult(run.model, summary, run.corpus, progress.interrupted)
