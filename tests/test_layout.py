@@ -1,5 +1,5 @@
-"""The package's shape, checked: no duplicated code, streams that never name a backend, and
-imports that point one way."""
+"""The package's shape, checked: no duplicated code, streams that never name a backend, imports
+that point one way from every module, and no function longer than ``MAX_FUNCTION_LINES``."""
 
 import ast
 import subprocess
@@ -11,8 +11,11 @@ import pytest
 from attnres.ops import BACKENDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "attnres"
-# each imports only from those before it (train's compare drives analysis; hf's finetune uses train's step)
-LAYERS = ["cache|files", "ops", "streams", "model", "analysis", "train", "hf", "cli|__main__|__init__"]
+# each imports only from those before it (train's compare drives analysis; hf's finetune uses train's step);
+# moe.py imports nothing of the package, and model builds its MLPs from it
+LAYERS = ["cache|files", "ops", "streams", "moe", "model", "analysis", "train", "hf", "cli|__main__|__init__"]
+#: the longest a function or method of the package may be, decorators and docstring included
+MAX_FUNCTION_LINES = 100
 
 
 def modules(folder: str):
@@ -73,22 +76,68 @@ def layer_of(module: str) -> int | None:
     return next((k for k, layer in enumerate(LAYERS) if top in layer.split("|")), None)
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_imports_point_one_way(path):
-    """cache <- ops <- streams <- model <- analysis <- train <- hf <- cli: no module imports a layer
-    above its own."""
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    own = layer_of(".".join(rel.parts))
-    if own is None:
-        return
-    upward = []
-    for node in ast.walk(ast.parse(path.read_text())):
+def imported_modules(rel: Path, tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import of the package in a module at ``rel`` (its path inside
+    the package, without suffix), relative or absolute, with the ``attnres.`` prefix dropped;
+    ``from . import x`` counts as importing ``x``."""
+    found = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level > 0:
             base = list(rel.parts[:-1])[: len(rel.parts) - node.level]
             target = ".".join(base + ([node.module] if node.module else []))
             names = [target] if node.module else [f"{target}.{a.name}".strip(".") for a in node.names]
-            for name in names:
-                layer = layer_of(name)
-                if layer is not None and layer > own:
-                    upward.append((node.lineno, name))
+            found += [(node.lineno, name) for name in names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "attnres":
+            target = node.module.removeprefix("attnres").strip(".")
+            names = [target] if target else [a.name for a in node.names]
+            found += [(node.lineno, name) for name in names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.removeprefix("attnres.")) for a in node.names
+                      if a.name.startswith("attnres.")]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_one_way(path):
+    """cache <- ops <- streams <- moe <- model <- analysis <- train <- hf <- cli: every module has
+    its layer, and none imports a layer above its own, relatively or absolutely."""
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    own = layer_of(".".join(rel.parts))
+    assert own is not None, f"{rel} belongs to no layer of LAYERS: add it there"
+    upward = [(line, name) for line, name in imported_modules(rel, ast.parse(path.read_text()))
+              if (layer_of(name) or 0) > own]
     assert upward == [], f"{rel} imports upward: {upward}"
+
+
+def test_the_import_check_sees_every_form(tmp_path):
+    """A relative, an absolute and a plain ``import attnres.x`` of a higher layer are each found."""
+    tree = ast.parse("from ..model import Transformer\nfrom attnres.train import trainer\nimport attnres.hf.convert\n"
+                     "from attnres import cli\n")
+    names = [name for _, name in imported_modules(Path("streams/base"), tree)]
+    assert names == ["model", "train", "hf.convert", "cli"]
+    assert all(layer_of(name) > layer_of("streams") for name in names)
+
+
+def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
+    """``(name, first line, length)`` of every function longer than ``limit`` lines."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            length = node.end_lineno - first + 1
+            if length > limit:
+                found.append((node.name, first, length))
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_function_is_longer_than_the_limit(path):
+    """Every function and method of the package fits in ``MAX_FUNCTION_LINES`` lines."""
+    long = long_functions(ast.parse(path.read_text()), MAX_FUNCTION_LINES)
+    assert long == [], f"{path.relative_to(PACKAGE)}: (name, line, length) over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_length_check_counts_a_long_function():
+    body = "\n".join(f"    x{k} = {k}" for k in range(MAX_FUNCTION_LINES))
+    tree = ast.parse(f"@staticmethod\ndef f():\n{body}\n\ndef g():\n    return 1\n")
+    assert long_functions(tree, MAX_FUNCTION_LINES) == [("f", 1, MAX_FUNCTION_LINES + 2)]
