@@ -435,7 +435,8 @@ def test_write_refuses_an_output_of_another_shape(kind, shape, decode):
 def test_write_refuses_an_output_on_another_device(kind, decode):
     with torch.set_grad_enabled(not decode):
         stream, state = started(kind, decode=decode)
-        with pytest.raises(ValueError, match=r"on cpu \(the embedding's shape and device\), given \(2, 5, 12\) on meta"):
+        with pytest.raises(ValueError, match=r"on cpu \(the embedding's shape and device\), given \(2, 5, 12\) "
+                                             r"on meta"):
             stream.write(state, 0, torch.empty(2, 5, D, device="meta"))
 
 
@@ -512,7 +513,7 @@ DECODED = [  # the designs with a decoder, with the options that change what it 
 
 @pytest.mark.parametrize("backend", ["cpu", "naive"])
 @pytest.mark.parametrize("lead", [(), (1,), (2, 1), (3, 4)], ids=str)
-@pytest.mark.parametrize("kind,options", DECODED, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
+@pytest.mark.parametrize("kind,options", DECODED, ids=[f"{k}-{'-'.join(map(str, o.values()))}" for k, o in DECODED])
 def test_the_decoder_reads_writes_and_splits_as_the_stream(kind, options, lead, backend):
     """Driven through the protocol, a decoder (autograd off) gives the stream's every read, its
     output and, before every sublayer and the output, its ``split_state`` (fp64, to round-off);

@@ -163,7 +163,8 @@ def _make_classes(source: str):
         "config_class": config,
         "__init__": __init__,
         "_init_weights": _init_weights,
-        "__doc__": f"{model_cls.__name__} with Delta AttnRes routing around its sublayers.",
+        "__doc__": f"{model_cls.__name__} with Delta AttnRes routing around its sublayers; a pass that continues "
+                   f"from a cache holding earlier tokens, with autograd off, is a decode pass.",
     })
     return config, model
 

@@ -168,8 +168,9 @@ class Stream(nn.Module):
         request with autograd on is refused (``RuntimeError``): nothing of a decode pass is
         differentiable, and a pass with gradients is an ordinary one."""
         if torch.is_grad_enabled():
-            raise RuntimeError(f"{self.kind} stream: a decode pass runs with autograd off (under torch.no_grad() or "
-                               f"torch.inference_mode()); a pass that needs gradients is an ordinary one (decode=False)")
+            raise RuntimeError(f"{self.kind} stream: a decode pass runs with autograd off (under torch.no_grad() "
+                               f"or torch.inference_mode()); a pass that needs gradients is an ordinary one "
+                               f"(decode=False)")
         if not isinstance(like, torch.Tensor) or like.ndim < 1 or like.shape[-1] != self.dim:
             self._refuse_embedding(like, "decoder")
         return self._decoder(like) or self
