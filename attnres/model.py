@@ -313,27 +313,31 @@ class Transformer(nn.Module):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
 
-    def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
+    def hidden_states(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0, decode: bool = False,
                       trace: Trace | None = None, experts: ExpertStats | None = None) -> torch.Tensor:
         """The final normalized hidden state ``[B, T, D]`` (the stream's output); ``trace``
         records what analysis reads (``streams.Trace``), ``experts`` what the MoE layers route
-        (``moe.ExpertStats``)."""
+        (``moe.ExpertStats``). ``decode=True``: a decode pass (``forward``)."""
         self._check_tokens(tokens, start_pos)
         T = tokens.shape[1]
         cos = self.rope_cos[start_pos : start_pos + T]
         sin = self.rope_sin[start_pos : start_pos + T]
-        state = self.stream.init(self.tok_embeddings(tokens))
-        state = self.run_sublayers(state, 0, self.config.num_sublayers, cos, sin, cache=cache, start_pos=start_pos,
-                                   trace=trace, experts=experts)
-        return self.stream.output(state, trace)
+        e = self.tok_embeddings(tokens)
+        stream = self.stream.decoder(e) if decode else self.stream
+        state = self.run_sublayers(stream.init(e), 0, self.config.num_sublayers, cos, sin, cache=cache,
+                                   start_pos=start_pos, trace=trace, experts=experts, stream=stream)
+        return stream.output(state, trace)
 
     def run_sublayers(self, state, first: int, last: int, cos: torch.Tensor, sin: torch.Tensor, *,
                       cache: KVCache | None = None, start_pos: int = 0, trace: Trace | None = None,
-                      experts: ExpertStats | None = None):
+                      experts: ExpertStats | None = None, stream=None):
         """The stream ``state`` after sublayers ``first .. last - 1`` (attention at even indices,
         the MLP at odd ones), each read, run and written in turn: the whole pass from 0 to ``M``,
-        or one pipeline stage's part of it. ``cos``/``sin``: the RoPE rows of the tokens' positions."""
-        stream, layers = self.stream, list(self.layers)  # a list: ModuleList indexing costs ~10 calls
+        or one pipeline stage's part of it. ``cos``/``sin``: the RoPE rows of the tokens' positions.
+        ``stream``: what runs the pass, the model's stream (default) or, for a decode pass, what
+        its ``decoder`` gave."""
+        stream = self.stream if stream is None else stream
+        layers = list(self.layers)  # a list: ModuleList indexing costs ~10 calls
         for i in range(first, last):
             layer = layers[i >> 1]
             x = stream.read(state, i, trace)
@@ -341,10 +345,17 @@ class Transformer(nn.Module):
             state = stream.write(state, i, v)
         return state
 
-    def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0,
+    def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0, decode: bool = False,
                 return_depth_weights: bool = False, trace: Trace | None = None,
                 experts: ExpertStats | None = None):
         """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``.
+
+        ``decode=True`` asks for a decode pass, which ``generate`` does for each token after the
+        prompt: with autograd off (a request with autograd on raises ``RuntimeError``), the
+        stream's decoder runs it (``Stream.decoder``: Full, Block and Delta AttnRes read their
+        sources from one buffer, on a backend that decodes); the other designs and backends run
+        their ordinary pass. Any number of positions gives the ordinary pass's logits (to
+        round-off). Without the flag a pass is an ordinary one, whatever its shape.
 
         ``trace`` records the depth weights and read RMS of every site::
 
@@ -363,7 +374,8 @@ class Transformer(nn.Module):
         """
         if return_depth_weights and trace is None:
             trace = Trace()
-        hidden = self.hidden_states(tokens, cache=cache, start_pos=start_pos, trace=trace, experts=experts)
+        hidden = self.hidden_states(tokens, cache=cache, start_pos=start_pos, decode=decode, trace=trace,
+                                    experts=experts)
         logits = self.lm_head(hidden)
         return (logits, trace.depth_weights) if return_depth_weights else logits
 
@@ -408,7 +420,8 @@ class Transformer(nn.Module):
         """Continue ``prompt`` ``[B, T]`` by ``max_new_tokens`` tokens with a KV cache; returns
         ``[B, T + max_new_tokens]``. ``temperature=0`` is greedy; ``top_k`` keeps the k likeliest.
         ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``, or as many as the context has room for.
-        A prompt and request longer than ``max_seq_len`` are refused (no sliding window)."""
+        A prompt and request longer than ``max_seq_len`` are refused (no sliding window). Each
+        token after the prompt runs as a decode pass (``forward(decode=True)``)."""
         T = prompt.shape[-1]
         if prompt.ndim != 2 or T == 0:
             raise ValueError(f"prompt must be token ids [batch, length] with length >= 1, given shape {tuple(prompt.shape)}")
@@ -437,7 +450,7 @@ class Transformer(nn.Module):
             next_token = sample(logits, temperature, top_k, generator)
             out.append(next_token)
             if step + 1 < max_new_tokens:
-                logits = self(next_token, cache=cache, start_pos=T + step)[:, -1]
+                logits = self(next_token, cache=cache, start_pos=T + step, decode=True)[:, -1]
         return torch.cat(out, dim=1)
 
 

@@ -29,6 +29,7 @@ The table header names the settings; a run with them writes ``inference_malloc_f
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -76,11 +77,14 @@ def build(variant, prompt_len, new_tokens):
         cache = model.new_cache(batch, prompt_len + new_tokens)
         model(prompts, cache=cache, start_pos=0)
         state = dict(token=prompts[:, -1:], pos=prompt_len)
+        # each token a decode pass, as generate runs it (a revision without the flag inferred it)
+        decode = {"decode": True} if "decode" in inspect.signature(model.forward).parameters else {}
 
         @torch.no_grad()
         def step() -> float:
             start = time.perf_counter()
-            state["token"] = model(state["token"], cache=cache, start_pos=state["pos"])[:, -1].argmax(-1, keepdim=True)
+            logits = model(state["token"], cache=cache, start_pos=state["pos"], **decode)
+            state["token"] = logits[:, -1].argmax(-1, keepdim=True)
             state["pos"] += 1
             return time.perf_counter() - start
 

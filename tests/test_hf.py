@@ -407,3 +407,54 @@ def test_a_native_moe_model_round_trips_with_its_balance_bias(tmp_path):
     x = ids(b=1, t=10)
     assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
     assert torch.equal(loaded.generate(x, max_new_tokens=8, do_sample=False), model.model.generate(x, 8))
+
+
+def decoding_models():
+    """A native Block AttnRes model and a converted Llama, both off the zero init (live routing)."""
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, residual="block",
+                     num_blocks=2, heads=2, max_seq_len=128)
+    native = AttnResForCausalLM(AttnResConfig.from_model_config(mc)).eval()
+    converted = convert(source_model("llama"), heads=4, block_layers=[1, 3])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        native.model.stream.pseudo_queries.normal_(generator=g)
+        converted.routing.gates.fill_(0.5)
+        converted.routing.pseudo_queries.normal_(generator=g)
+    return {"native": (native, native.model.stream), "converted": (converted, converted.routing)}
+
+
+@pytest.mark.parametrize("name", ["native", "converted"])
+def test_the_hf_classes_decode_when_they_continue_from_a_cache(name, monkeypatch):
+    """A pass that continues from a cache holding earlier tokens, with autograd off, is a decode
+    pass (the stream's decoder runs it, one position or several); the prompt's pass and any pass
+    with autograd on are ordinary ones. Every one gives the logits of the whole sequence's
+    ordinary forward, and ``generate`` asks for one decode pass per token fed back."""
+    from attnres.streams import Decoder
+
+    model, stream = decoding_models()[name]
+    made, real = [], stream.decoder
+
+    def decoder(like):  # the real one, each call's result kept
+        made.append(real(like))
+        return made[-1]
+
+    monkeypatch.setattr(stream, "decoder", decoder)
+    x = ids(b=2, t=10)
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+        out = model(input_ids=x[:, :4], use_cache=True)
+        assert made == []  # the prompt: an ordinary pass
+        parts = [out.logits]
+        for chunk in (x[:, 4:5], x[:, 5:8]):  # one position, then several
+            out = model(input_ids=chunk, cache=out.cache, use_cache=True)
+            parts.append(out.logits)
+        assert len(made) == 2 and all(isinstance(d, Decoder) for d in made)
+    out = model(input_ids=x[:, 8:], cache=out.cache, use_cache=True)  # autograd on: ordinary
+    parts.append(out.logits.detach())
+    assert len(made) == 2
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+    made.clear()
+    generated = model.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False)
+    assert len(made) == 5 and all(isinstance(d, Decoder) for d in made)
+    assert torch.equal(generated, model.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False, use_cache=False))

@@ -5,6 +5,7 @@ import torch
 
 from attnres import ModelConfig, Trace, Transformer, param_groups
 from attnres.model import sample
+from attnres.streams import Decoder
 
 from .conftest import DESIGNS, randomize_stream, tiny_config, tiny_model
 
@@ -41,13 +42,12 @@ def test_kv_cache_logits_equal_full_forward(design):
 
 @pytest.mark.parametrize("backend", ["cpu", "naive", "torch"])
 def test_decoding_without_autograd_equals_the_full_forward_on_every_backend(design, backend):
-    """The passes of generation (autograd off, one position per sequence after the prompt):
-    the AttnRes family reads its sources from one buffer (``DecodeState``) on the backends that
-    decode (cpu, naive) and routes as in training on the others. The logits of a prompt of 4
-    then 6 single positions, batch 2, equal the full forward's within fp32 round-off, across the
-    block boundaries of every design (blocks of 2 and 3 sublayers, uneven ones, 6 sublayers)."""
-    from attnres.streams.attnres import DecodeState
-
+    """The passes of generation (autograd off, one position per sequence after the prompt, each
+    asked for as a decode pass): the AttnRes family reads its sources from one buffer (its
+    ``Decoder``) on the backends that decode (cpu, naive) and routes as in training on the
+    others. The logits of a prompt of 4 then 6 single positions, batch 2, equal the full
+    forward's within fp32 round-off, across the block boundaries of every design (blocks of 2
+    and 3 sublayers, uneven ones, 6 sublayers)."""
     options = {} if DESIGNS[design]["residual"] in ("prenorm", "hc", "mhc", "gr") else {"backend": backend}
     if not options and backend != "cpu":
         pytest.skip("a design without depth routing has no backend")
@@ -60,12 +60,68 @@ def test_decoding_without_autograd_equals_the_full_forward_on_every_backend(desi
         full = model(x)
         cache = model.new_cache(2, 10)
         parts = [model(x[:, :4], cache=cache, start_pos=0)]
-        parts += [model(x[:, t:t + 1], cache=cache, start_pos=t) for t in range(4, 10)]
-        decodes = type(model.stream.init(torch.zeros(2, 1, 32))) is DecodeState
+        parts += [model(x[:, t:t + 1], cache=cache, start_pos=t, decode=True) for t in range(4, 10)]
+        decodes = isinstance(model.stream.decoder(torch.zeros(2, 1, 32)), Decoder)
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.cat(parts, 1).argmax(-1), full.argmax(-1))
     family = options and design != "full-input-query"
     assert decodes == bool(family and backend in ("cpu", "naive")), (design, backend)
+
+
+class DecoderCalls:
+    """``model.stream.decoder`` wrapped (the real one runs): what each call gave."""
+
+    def __init__(self, monkeypatch, stream):
+        self.made = []
+        real = stream.decoder
+
+        def decoder(like):
+            self.made.append(real(like))
+            return self.made[-1]
+
+        monkeypatch.setattr(stream, "decoder", decoder)
+
+
+def test_generate_asks_for_a_decode_pass_for_each_token_after_the_prompt(design, monkeypatch):
+    """The prompt runs as an ordinary pass; each of the tokens fed back after it as a decode
+    pass, which the AttnRes family runs on its decoder (the default backend decodes on the CPU),
+    the others on the stream itself."""
+    model = tiny_model(design).eval()
+    randomize_stream(model)
+    calls = DecoderCalls(monkeypatch, model.stream)
+    out = model.generate(tokens(b=2, t=5), 6)
+    assert out.shape == (2, 11)
+    assert len(calls.made) == 5  # 6 new tokens: the last is not fed back
+    family = DESIGNS[design]["residual"] in ("full", "block", "delta") and design != "full-input-query"
+    assert all(isinstance(d, Decoder) == family for d in calls.made), design
+    assert all(d is model.stream for d in calls.made if not family)
+
+
+def test_a_decode_request_with_autograd_on_is_refused(design):
+    """Nothing of a decode pass is differentiable: asked for with autograd on, every design
+    refuses, saying so (a pass with gradients is an ordinary one)."""
+    model = tiny_model(design)
+    with pytest.raises(RuntimeError, match=r"stream: a decode pass runs with autograd off .*\(decode=False\)"):
+        model(tokens(t=1), decode=True)
+    with pytest.raises(RuntimeError, match="a decode pass runs with autograd off"):
+        model.stream.decoder(torch.zeros(2, 1, 32))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "naive"])
+@pytest.mark.parametrize("design", ["full", "block", "mhar", "mhar-uneven", "delta", "block-sigmoid-nokeynorm"])
+def test_a_decode_pass_of_several_positions_equals_the_ordinary_pass(design, backend):
+    """The decode read takes any number of positions: a decode pass over a whole prompt, and
+    over a chunk after a cached prefix, gives the ordinary pass's logits."""
+    model = tiny_model(design, backend=backend).eval()
+    randomize_stream(model)
+    x = tokens(t=10)
+    with torch.no_grad():
+        assert isinstance(model.stream.decoder(torch.zeros(2, 10, 32)), Decoder)
+        full = model(x)
+        torch.testing.assert_close(model(x, decode=True), full, atol=1e-5, rtol=1e-5)
+        cache = model.new_cache(2, 10)
+        parts = [model(x[:, :4], cache=cache, decode=True), model(x[:, 4:], cache=cache, start_pos=4, decode=True)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_generate_matches_argmax_of_full_forwards(design):
@@ -210,18 +266,17 @@ def test_depth_weights_capture():
 
 @pytest.mark.parametrize("design", ["mhar", "full", "delta"])
 def test_a_traced_decode_pass_routes_its_buffer_on_the_reference(design):
-    """One position per sequence with autograd off runs the decode path; traced, its reads
-    route the buffered sources on the reference path: the same logits, and at every site
-    weights over as many sources as the design has there, summing to 1."""
-    from attnres.streams.attnres import DecodeState
-
+    """A decode pass (autograd off, one position per sequence) runs on the design's decoder;
+    traced, its reads route the buffered sources on the reference path: the same logits, and at
+    every site weights over as many sources as the design has there, summing to 1."""
     model = tiny_model(design).eval()  # 6 sublayers; MHAR blocks of 3, Delta of 2 (after null)
     randomize_stream(model)
     x = tokens(b=2, t=1)
     with torch.no_grad():
-        assert type(model.stream.init(torch.zeros(2, 1, 32))) is DecodeState
-        plain = model(x)
-        logits, weights = model(x, return_depth_weights=True)
+        assert isinstance(model.stream.decoder(torch.zeros(2, 1, 32)), Decoder)
+        plain = model(x, decode=True)
+        logits, weights = model(x, decode=True, return_depth_weights=True)
+        torch.testing.assert_close(plain, model(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, plain, atol=1e-5, rtol=1e-5)
     expected = {"mhar": [1, 2, 2, 2, 3, 3, 3], "full": [1, 2, 3, 4, 5, 6, 7], "delta": [2, 3, 3, 4, 4, 5, 5]}[design]
     assert sorted(weights) == list(range(7))

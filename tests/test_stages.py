@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnres.model import lm_loss
+from attnres.streams import Decoder
 
 from .conftest import DESIGNS, randomize_stream, tiny_model
 
@@ -19,15 +20,17 @@ def uncut(model, x, y):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def cut_pass(model, x, cut):
-    """Logits of a pass run as two stages: sublayers ``0 .. cut - 1``, then the state as the
-    tensors that cross the cut, detached (a stage boundary), then ``cut .. M - 1`` and the output.
-    Returns the logits and the hop: the tensors sent and their received copies."""
+def cut_pass(model, x, cut, decode=False):
+    """Logits of a pass run as two stages: sublayers ``0 .. cut - 1`` (``decode``: as a decode
+    pass, on what ``stream.decoder`` gives), then the state as the tensors that cross the cut,
+    detached (a stage boundary), then ``cut .. M - 1`` and the output. Returns the logits and
+    the hop: the tensors sent and their received copies."""
     T = x.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    stream = model.stream
-    state = model.run_sublayers(stream.init(model.tok_embeddings(x)), 0, cut, cos, sin)
-    completed, rest = stream.split_state(state)
+    stream, e = model.stream, model.tok_embeddings(x)
+    first = stream.decoder(e) if decode else stream
+    state = model.run_sublayers(first.init(e), 0, cut, cos, sin, stream=first)
+    completed, rest = first.split_state(state)
     assert all(isinstance(t, torch.Tensor) for t in (*completed, *rest))
     sent = [*completed, *rest]
     received = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in sent]
@@ -74,19 +77,18 @@ def test_a_state_that_does_not_fit_the_cut_is_refused(design, completed, rest, c
 
 @pytest.mark.parametrize("design", ["block", "mhar-uneven", "full", "delta"])
 def test_a_decode_pass_splits_as_any_other(design):
-    """With autograd off and one position per sequence the AttnRes family runs a decode pass;
-    cut at every sublayer, it gives the same tensors across the cut as a pass of several
-    positions (the same token twice) does at its first, and the logits of the uncut pass."""
+    """A decode pass of the AttnRes family (autograd off, one position per sequence) runs on the
+    design's decoder; cut at every sublayer, it gives the same tensors across the cut as a pass
+    of several positions (the same token twice) does at its first, and, continued by the
+    stream's ordinary pass on the far side, the logits of the uncut pass."""
     model = tiny_model(design).eval()
     randomize_stream(model)
-    from attnres.streams.attnres import DecodeState
-
     x = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert type(model.stream.init(model.tok_embeddings(x))) is DecodeState
-        whole = model(x)
+        assert isinstance(model.stream.decoder(model.tok_embeddings(x)), Decoder)
+        whole = model(x, decode=True)
         for cut in range(M + 1):
-            logits, sent, _ = cut_pass(model, x, cut)
+            logits, sent, _ = cut_pass(model, x, cut, decode=True)
             _, twice, _ = cut_pass(model, x.repeat(1, 2), cut)
             torch.testing.assert_close(logits, whole, atol=1e-5, rtol=1e-5)
             assert len(sent) == len(twice), (cut, len(sent), len(twice))

@@ -6,9 +6,10 @@ import re
 import pytest
 import torch
 
-from attnres import build_stream
+from attnres import Trace, build_stream
 from attnres.ops import rms_norm
-from attnres.streams import gated_branch_mix
+from attnres.streams import BlockState, Decoder, DeltaState, gated_branch_mix
+from attnres.streams.attnres import FullState
 
 D, M = 12, 7
 
@@ -383,9 +384,15 @@ KINDS = ["prenorm", "full", "block", "delta", "hc", "mhc", "gr"]
 ORDERED = ["full", "block", "delta"]  # the designs whose state records how many sublayers it holds
 
 
-def started(kind, m=3):
+def started(kind, m=3, decode=False):
+    """A stream of ``kind`` and its state before sublayer 0 over an embedding ``[2, 5, D]``;
+    ``decode``: what ``stream.decoder`` gives in its place (a ``Decoder`` for full, block and
+    delta; call with autograd off)."""
     stream = build_stream(kind, dim=D, num_sublayers=m, **({"block_size": 2} if kind in ("block", "delta") else {}))
-    return stream, stream.init(torch.randn(2, 5, D))
+    e = torch.randn(2, 5, D)
+    runner = stream.decoder(e) if decode else stream
+    assert isinstance(runner, Decoder) == (decode and kind in ORDERED)
+    return runner, runner.init(e)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -395,61 +402,173 @@ def test_init_refuses_an_embedding_of_the_wrong_width(kind):
         stream.init(torch.randn(2, 5, 8))
     with pytest.raises(ValueError, match=r"given list"):
         stream.init([1.0] * D)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape", [(2, 5, 8), (2, 4, D), (5, D), (2, 5, 1, D)])
-def test_write_refuses_an_output_of_another_shape(kind, shape):
-    stream, state = started(kind)
-    stream.read(state, 0)
-    with pytest.raises(ValueError, match=rf"write\(0\) takes the sublayer's output \(2, 5, 12\) on cpu \(the "
-                                         rf"embedding's shape and device\), given {re.escape(str(shape))} on cpu"):
-        stream.write(state, 0, torch.randn(shape))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_write_refuses_an_output_on_another_device(kind):
-    stream, state = started(kind)
-    with pytest.raises(ValueError, match=r"on cpu \(the embedding's shape and device\), given \(2, 5, 12\) on meta"):
-        stream.write(state, 0, torch.empty(2, 5, D, device="meta"))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("index", [-1, 3, 1.0, True, "0"])
-def test_read_and_write_refuse_an_index_that_is_not_a_sublayer(kind, index):
-    stream, state = started(kind)
-    for call in (lambda: stream.read(state, index), lambda: stream.write(state, index, torch.randn(2, 5, D))):
-        with pytest.raises(ValueError, match=rf"\({re.escape(repr(index))}\) needs a sublayer index, an integer "
-                                             r"in \[0, 2\]"):
-            call()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"decoder takes the embedding \[\.\.\., 12\] \(dim=12\), "
+                                                          r"given \(2, 5, 8\)"):
+        stream.decoder(torch.randn(2, 5, 8))
 
 
 @pytest.mark.parametrize("kind", ORDERED)
-def test_reads_writes_and_output_out_of_order_are_refused(kind):
-    stream, state = started(kind)
-    v = torch.randn(2, 5, D)
-    with pytest.raises(RuntimeError, match=r"read\(1\) out of order: the state holds no write yet, so the next "
-                                           r"sublayer is 0"):
-        stream.read(state, 1)
-    with pytest.raises(RuntimeError, match=r"output needs all 3 sublayers written, the state holds 0"):
-        stream.output(state)
-    state = stream.write(state, 0, v)
-    with pytest.raises(RuntimeError, match=r"write\(0\) out of order: the state holds the writes of sublayers "
-                                           r"0\.\.0, so the next sublayer is 1"):
-        stream.write(state, 0, v)  # the same sublayer twice
-    with pytest.raises(RuntimeError, match=r"write\(2\) out of order"):
-        stream.write(state, 2, v)  # one skipped
-    state = stream.write(stream.write(state, 1, v), 2, v)
-    assert stream.output(state).shape == (2, 5, D)
+def test_a_decoder_refuses_an_embedding_it_was_not_made_for(kind):
+    with torch.no_grad():
+        decoder, _ = started(kind, decode=True)
+        for e in (torch.randn(2, 4, D), torch.randn(2, 5, D, dtype=torch.float64), [1.0] * D):
+            given = "list" if isinstance(e, list) else re.escape(f"{tuple(e.shape)} {e.dtype}")
+            with pytest.raises(ValueError, match=rf"{kind} decoder: init takes the embedding it was made for, "
+                                                 rf"\(2, 5, 12\) torch.float32 on cpu, given {given}"):
+                decoder.init(e)
 
 
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_checks_accept_every_pass_in_order(kind):
-    """The checks accept what the model does: token shapes of any rank, reads repeated before a write."""
+@pytest.mark.parametrize("shape", [(2, 5, 8), (2, 4, D), (5, D), (2, 5, 1, D)])
+def test_write_refuses_an_output_of_another_shape(kind, shape, decode):
+    with torch.set_grad_enabled(not decode):
+        stream, state = started(kind, decode=decode)
+        stream.read(state, 0)
+        with pytest.raises(ValueError, match=rf"write\(0\) takes the sublayer's output \(2, 5, 12\) on cpu \(the "
+                                             rf"embedding's shape and device\), given {re.escape(str(shape))} on cpu"):
+            stream.write(state, 0, torch.randn(shape))
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_refuses_an_output_on_another_device(kind, decode):
+    with torch.set_grad_enabled(not decode):
+        stream, state = started(kind, decode=decode)
+        with pytest.raises(ValueError, match=r"on cpu \(the embedding's shape and device\), given \(2, 5, 12\) "
+                                             r"on meta"):
+            stream.write(state, 0, torch.empty(2, 5, D, device="meta"))
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("index", [-1, 3, 1.0, True, "0"])
+def test_read_and_write_refuse_an_index_that_is_not_a_sublayer(kind, index, decode):
+    with torch.set_grad_enabled(not decode):
+        stream, state = started(kind, decode=decode)
+        for call in (lambda: stream.read(state, index), lambda: stream.write(state, index, torch.randn(2, 5, D))):
+            with pytest.raises(ValueError, match=rf"\({re.escape(repr(index))}\) needs a sublayer index, an integer "
+                                                 r"in \[0, 2\]"):
+                call()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("kind", ORDERED)
+def test_reads_writes_and_output_out_of_order_are_refused(kind, decode):
+    """The decoder checks as the stream does, before it changes its buffers: a refused write
+    leaves the state as it was."""
+    with torch.set_grad_enabled(not decode):
+        stream, state = started(kind, decode=decode)
+        v = torch.randn(2, 5, D)
+        with pytest.raises(RuntimeError, match=r"read\(1\) out of order: the state holds no write yet, so the next "
+                                               r"sublayer is 0"):
+            stream.read(state, 1)
+        with pytest.raises(RuntimeError, match=r"output needs all 3 sublayers written, the state holds 0"):
+            stream.output(state)
+        state = stream.write(state, 0, v)
+        read_1 = stream.read(state, 1)
+        with pytest.raises(RuntimeError, match=r"write\(0\) out of order: the state holds the writes of sublayers "
+                                               r"0\.\.0, so the next sublayer is 1"):
+            stream.write(state, 0, v)  # the same sublayer twice
+        with pytest.raises(RuntimeError, match=r"write\(2\) out of order"):
+            stream.write(state, 2, v)  # one skipped
+        assert torch.equal(stream.read(state, 1), read_1)
+        state = stream.write(stream.write(state, 1, v), 2, v)
+        assert stream.output(state).shape == (2, 5, D)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_checks_accept_every_pass_in_order(kind, decode):
+    """The checks accept what the model does: token shapes of any rank, reads repeated before a
+    write; a decode pass too (autograd off)."""
     stream = randomized(build_stream(kind, dim=D, num_sublayers=M))
-    for e in (torch.randn(D, dtype=torch.float64), torch.randn(3, 2, 4, D, dtype=torch.float64)):
+    with torch.set_grad_enabled(not decode):
+        for e in (torch.randn(D, dtype=torch.float64), torch.randn(3, 2, 4, D, dtype=torch.float64)):
+            runner = stream.decoder(e) if decode else stream
+            state = runner.init(e)
+            for i in range(M):
+                assert torch.equal(runner.read(state, i), runner.read(state, i))
+                state = runner.write(state, i, RandomSublayers()(i, runner.read(state, i)))
+            assert runner.output(state).shape == e.shape
+
+
+def decoding_backend(backend):
+    from attnres.ops import BACKENDS, Request
+
+    problem = BACKENDS[backend].problem(Request("cpu", torch.float64, "softmax", True))
+    if problem:
+        pytest.skip(f"backend {backend!r} cannot run here: {problem}")
+
+
+DECODED = [  # the designs with a decoder, with the options that change what it reads
+    ("full", dict(heads=3)),
+    ("block", dict(block_size=3)),
+    ("block", dict(block_sizes=(1, 4, 2), heads=2)),  # uneven blocks, the last completed before the output
+    ("block", dict(num_blocks=2, score="sigmoid", key_norm=False)),  # a last block the output reads as the partial
+    ("delta", dict(block_size=2, heads=2)),
+    ("delta", dict(block_sizes=(3, 4), own_norms=False)),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "naive"])
+@pytest.mark.parametrize("lead", [(), (1,), (2, 1), (3, 4)], ids=str)
+@pytest.mark.parametrize("kind,options", DECODED, ids=[f"{k}-{'-'.join(map(str, o.values()))}" for k, o in DECODED])
+def test_the_decoder_reads_writes_and_splits_as_the_stream(kind, options, lead, backend):
+    """Driven through the protocol, a decoder (autograd off) gives the stream's every read, its
+    output and, before every sublayer and the output, its ``split_state`` (fp64, to round-off);
+    traced, the same depth weights and read RMS."""
+    decoding_backend(backend)
+    stream = randomized(build_stream(kind, dim=D, num_sublayers=M, backend=backend, **options))
+    e = torch.randn(*lead, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        decoder = stream.decoder(e)
+        assert isinstance(decoder, Decoder) and decoder.kind == kind
+        for trace in (None, Trace(), Trace()):
+            d_reads, d_out, d_states = run(decoder, e, RandomSublayers(), trace=trace)
+            s_trace = None if trace is None else Trace()
+            s_reads, s_out, s_states = run(stream, e, RandomSublayers(), trace=s_trace)
+            for a, b in zip(d_reads + [d_out], s_reads + [s_out]):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+            if trace is not None:
+                assert sorted(trace.depth_weights) == sorted(s_trace.depth_weights) == list(range(M + 1))
+                for name in ("depth_weights", "read_rms"):
+                    for site, w in getattr(s_trace, name).items():
+                        torch.testing.assert_close(getattr(trace, name)[site], w, atol=1e-12, rtol=1e-12)
+    # a decoder's state is spent by the write that follows it: split a fresh pass at each cut
+    for cut in range(M + 1):
+        with torch.no_grad():
+            state = decoder.init(e)
+            for i in range(cut):
+                state = decoder.write(state, i, RandomSublayers()(i, decoder.read(state, i)))
+            got = decoder.split_state(state)
+        want = stream.split_state(s_states[cut])
+        assert [len(t) for t in got] == [len(t) for t in want], cut
+        for a, b in zip((*got[0], *got[1]), (*want[0], *want[1])):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "naive"])
+@pytest.mark.parametrize("shape", [(1, D), (1, 1, D), (D,)], ids=str)
+@pytest.mark.parametrize("kind,state_type", [("full", FullState), ("block", BlockState), ("delta", DeltaState)])
+def test_one_token_without_the_flag_runs_the_ordinary_pass(kind, state_type, shape, backend):
+    """A pass is a decode pass only when asked for: with autograd off, a flat batch ``[tokens, D]``
+    of one token, or one position per sequence, runs the stream's ordinary pass (its own
+    state, the inference path's scores where the backend scores ahead), which the decoder
+    equals."""
+    decoding_backend(backend)
+    from attnres.ops import BACKENDS
+
+    stream = randomized(build_stream(kind, dim=D, num_sublayers=M, backend=backend,
+                                     **({} if kind == "full" else {"block_size": 3})))
+    e = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
         state = stream.init(e)
-        for i in range(M):
-            assert torch.equal(stream.read(state, i), stream.read(state, i))
-            state = stream.write(state, i, RandomSublayers()(i, stream.read(state, i)))
-        assert stream.output(state).shape == e.shape
+        assert type(state) is state_type
+        if kind != "full":
+            memo = (state.routed if kind == "delta" else state).memo
+            assert (memo.scores is not None) == BACKENDS[backend].scores_ahead
+        reads, out, _ = run(stream, e, RandomSublayers())
+        d_reads, d_out, _ = run(stream.decoder(e), e, RandomSublayers())
+    for a, b in zip(reads + [out], d_reads + [d_out]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)

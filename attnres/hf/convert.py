@@ -1,5 +1,5 @@
 """Identity-preserving conversion of a pretrained Llama, Mistral, Qwen2 or Qwen3 causal LM, or a
-Mixtral or Qwen3-MoE mixture-of-experts LM, to Delta AttnRes (SPEC section 5).
+Mixtral or Qwen3-MoE mixture-of-experts LM, to Delta AttnRes (docs/METHOD.md section 5).
 
 The converted model keeps the source architecture's own modules (embeddings, attention with its
 head_dim, q/k norms, biases and rotary scaling, MLP or sparse MoE block with its router and
@@ -74,7 +74,12 @@ def routing_blocks(block_layers) -> dict:
 
 
 class DeltaRoutingForCausalLM:
-    """The forward pass shared by every converted architecture (mixed into its causal LM)."""
+    """The forward pass shared by every converted architecture (mixed into its causal LM).
+
+    A pass that continues from a cache that already holds earlier tokens, with autograd off (each
+    step of ``generate`` after the prompt), runs as a decode pass: the routing's decoder
+    (``DeltaAttnResStream.decoder``) runs it where its backend decodes; any other pass is an
+    ordinary one."""
 
     def _init_routing(self, config) -> None:
         layers = config.num_hidden_layers
@@ -106,12 +111,13 @@ class DeltaRoutingForCausalLM:
             inputs_embeds = base.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)
         masks = self._masks(inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
-        stream = self.routing
+        decode = seen > 0 and not torch.is_grad_enabled()
+        stream = self.routing.decoder(inputs_embeds) if decode else self.routing
         state = stream.init(inputs_embeds)
         for l, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
             x = layer.input_layernorm(stream.read(state, 2 * l))
@@ -157,7 +163,8 @@ def _make_classes(source: str):
         "config_class": config,
         "__init__": __init__,
         "_init_weights": _init_weights,
-        "__doc__": f"{model_cls.__name__} with Delta AttnRes routing around its sublayers.",
+        "__doc__": f"{model_cls.__name__} with Delta AttnRes routing around its sublayers; a pass that continues "
+                   f"from a cache holding earlier tokens, with autograd off, is a decode pass.",
     })
     return config, model
 

@@ -2,7 +2,8 @@
 
 The causal LM wraps the reference ``Transformer`` (no second copy of the math) and speaks the
 ``transformers`` protocol: ``save_pretrained``/``from_pretrained`` through safetensors,
-``generate`` with a ``DynamicCache``, ``labels`` for a loss.
+``generate`` with a ``DynamicCache`` (each step after the prompt a decode pass), ``labels`` for a
+loss.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+        """Logits (and the loss, given ``labels``) of ``input_ids`` ``[B, T]``, continuing from
+        ``cache`` when given. A pass that continues from a cache that already holds earlier tokens,
+        with autograd off (each step of ``generate`` after the prompt), asks the reference model for
+        a decode pass (``Transformer.forward(decode=True)``); any other pass is an ordinary one."""
         if inputs_embeds is not None:
             raise ValueError("AttnResForCausalLM takes input_ids, not inputs_embeds")
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -105,7 +110,8 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
         if position_ids is not None and int(position_ids[0, 0]) != start:
             raise ValueError(f"position_ids start at {int(position_ids[0, 0])}, expected {start} (no padding)")
         hidden = self.model.hidden_states(
-            input_ids, cache=_CacheAdapter(cache) if cache is not None else None, start_pos=start
+            input_ids, cache=_CacheAdapter(cache) if cache is not None else None, start_pos=start,
+            decode=start > 0 and not torch.is_grad_enabled(),
         )
         logits = self.model.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
         loss = None

@@ -15,12 +15,17 @@ hc         Hyper-Connections (dynamic)      streams (default 4)
 mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations
 gr         Gated Residual                   streams (default 4), rank (default dim // 8)
 =========  ===============================  ===========================================================
+
+``stream.decoder(e)`` gives what runs a decode pass (asked for explicitly, with autograd off): a
+``Decoder`` of ``decode.py`` for full, block and delta on a backend that decodes, otherwise the
+stream itself.
 """
 
 from __future__ import annotations
 
 from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAttnResStream
 from .base import Option, Stream, Trace, resolve_block_size, resolve_block_sizes
+from .decode import Decoder
 from .delta import DeltaAttnResStream, DeltaState
 from .gated import GatedResidualStream, gated_branch_mix
 from .hc import HyperConnectionStream
@@ -81,6 +86,7 @@ __all__ = [
     "STREAMS",
     "BlockAttnResStream",
     "BlockState",
+    "Decoder",
     "DeltaAttnResStream",
     "DeltaState",
     "DepthRoutingStream",

@@ -1,4 +1,4 @@
-"""Attention Residuals: Full and Block AttnRes, single- or multi-head (SPEC sections 2-4).
+"""Attention Residuals: Full and Block AttnRes, single- or multi-head (docs/METHOD.md sections 2-4).
 
 Full  stores: every new output ``[e, v_0, ..., v_{i-1}]``.
       reads:  ``RMSNorm_{g_i}(sum_j alpha_j v_j)`` with ``alpha = softmax_j(w_i . RMSNorm_{k_i}(v_j))``.
@@ -28,33 +28,9 @@ from torch import nn
 
 from ..ops import DepthRouter, RoutingMemo
 from .base import Stream, Trace, resolve_block_sizes
+from .decode import BlockDecoder, FullDecoder
 
 QUERIES = ("static", "input")
-
-
-class DecodeState(NamedTuple):
-    """The state of a decode pass: autograd off, one position per sequence, on a backend that
-    ``decodes`` (``DepthRoutingStream._begin_decode``). The pass's sources sit one after
-    another in one buffer, so that a read is one ``decode_read`` call and a write one in-place
-    op, with nothing prepared or scored per source.
-
-    ``sources``: ``[capacity, ..., D]``, the completed sources in order (Delta: ``null``
-    first), then, when ``has_partial``, the open block's partial sum in ``sources[count]``;
-    ``written``: the sublayers written; ``queries``: ``[M + 1, D]``, this pass's pseudo-queries
-    with the key-norm gains folded in; ``fns``: the backend's module; ``h``: Delta's additive
-    stream (a buffer of its own) and ``gates``: Delta's gates as numbers.
-
-    A write changes the buffers in place and returns the next state: an earlier state is spent,
-    as in a forward pass, which uses each state once."""
-
-    sources: torch.Tensor
-    count: int
-    has_partial: bool
-    written: int
-    queries: torch.Tensor
-    fns: object
-    h: torch.Tensor | None = None
-    gates: list | None = None
 
 
 class DepthRoutingStream(Stream):
@@ -62,7 +38,7 @@ class DepthRoutingStream(Stream):
 
     Args:
         heads: depth-attention heads ``H`` (must divide ``dim``); 1 is single-head AttnRes.
-        query: ``"static"`` (a learned pseudo-query, the method) or ``"input"`` (SPEC section 9
+        query: ``"static"`` (a learned pseudo-query, the method) or ``"input"`` (METHOD.md section 9
             ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized;
             per-token queries, which only the reference backend takes).
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
@@ -120,65 +96,39 @@ class DepthRoutingStream(Stream):
         """``(source, memo)`` with ``source`` completed before sublayer ``first_site``."""
         return self.router.add_source(memo, source, self.pseudo_queries, self.key_gains, first_site, tokens)
 
-    def _begin_decode(self, e: torch.Tensor, capacity: int, first: Sequence[torch.Tensor]) -> DecodeState | None:
-        """A ``DecodeState`` for ``capacity`` sources over data like ``e`` ``[..., 1, D]``, holding
-        the completed sources ``first``; or None when this pass is not a decode pass (autograd
-        on, several positions per sequence, input-dependent queries, or a backend without
-        ``decode_read``): it then routes as every other pass does."""
-        if e.ndim < 2 or e.shape[-2] != 1:
-            return None
-        fns = self.router.decode_backend(e)
-        if fns is None:
-            return None
-        # folded in the math dtype (fp32, or fp64 for fp64), as the other reads fold them
-        dt = torch.promote_types(e.dtype, torch.float32)
-        queries = self.pseudo_queries.to(dt)
-        if self.key_gains is not None:
-            queries = queries * self.key_gains.to(dt)
-        sources = e.new_empty((capacity, *e.shape))
-        for slot, source in zip(sources, first):
-            slot.copy_(source)
-        return DecodeState(sources, len(first), False, 0, queries.contiguous(), fns)
-
-    def _decode_read(self, state: DecodeState, site: int, norm, base: torch.Tensor | None = None,
-                     gate: float = 0.0) -> torch.Tensor:
-        """The read of ``site`` over the decode pass's sources (the partial last, when open)."""
-        return state.fns.decode_read(state.sources, state.count + state.has_partial, state.queries[site], base=base,
-                                     gate=gate, norm=norm, **self.router.options)
-
-    def _read_decoded(self, state: DecodeState, site: int, trace: Trace | None) -> torch.Tensor:
-        """The read of ``site`` through its norm in a decode pass; a traced one routes copies of
-        the sources on the reference path, which records the weights."""
-        if trace is None:
-            return self._decode_read(state, site, self._site_norm(site))
-        return self._finish_read(site, self._route(site, self._decode_sources(state), None, trace), trace)
-
-    @staticmethod
-    def _decode_sources(state: DecodeState, first: int = 0, end: int | None = None) -> tuple[torch.Tensor, ...]:
-        """Copies of the decode pass's sources ``first .. end - 1`` (default: all, the partial
-        last): a traced read routes them on the reference path and may keep them, and later
-        writes change the buffer in place."""
-        end = state.count + state.has_partial if end is None else end
-        return tuple(source.clone() for source in state.sources[first:end])
-
-    def _route(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
-               trace: Trace | None = None, norm=None) -> torch.Tensor:
-        """``h = sum_j alpha_j v_j`` over ``sources`` with the query and gain of ``site`` (before
-        the site's norm; untraced, through ``norm`` when given, fused where the backend can). A
-        traced read computes its depth weights on the reference path and records them (and the
-        sources, when the trace keeps them)."""
+    def _site_query(self, site: int, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(query, gain)`` of ``site``: its pseudo-query ``[D]`` (input-dependent queries: plus
+        ``W_site`` times the latest source, per token ``[..., D]``) and its key-norm gain."""
         query = self.pseudo_queries[site]
         if self.query_proj is not None:
-            # input-dependent query from the latest source, per token: [..., D]
             query = query + sources[-1].to(query.dtype) @ self.query_proj[site].T
-        gain = None if self.key_gains is None else self.key_gains[site]
-        if trace is None:
-            return self.router.route(memo, sources, query, gain, norm)
-        mixed, weights = self.router.route_with_weights(sources, query, gain)
+        return query, None if self.key_gains is None else self.key_gains[site]
+
+    def _route_sources(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
+                       norm=None) -> torch.Tensor:
+        """``sum_j alpha_j v_j`` of ``site`` over ``sources`` in one routing call on the pass's
+        backend, through ``norm`` (the site's norm, fused where the backend can) when given."""
+        return self.router.route(memo, sources, *self._site_query(site, sources), norm)
+
+    def _route_traced(self, site: int, sources: Sequence[torch.Tensor], trace: Trace) -> torch.Tensor:
+        """``sum_j alpha_j v_j`` of ``site`` over ``sources`` on the reference path, before the
+        site's norm; its depth weights recorded in ``trace`` (and the sources, when it keeps them)."""
+        mixed, weights = self.router.route_with_weights(sources, *self._site_query(site, sources))
         trace.depth_weights[site] = weights.detach()
         if trace.keep_sources:
             trace.sources[site] = [s.detach() for s in sources]
         return mixed
+
+    def _read_traced(self, site: int, sources: Sequence[torch.Tensor], trace: Trace) -> torch.Tensor:
+        """The traced read of ``site`` over ``sources`` through its norm, its RMS recorded."""
+        return self._finish_read(site, self._route_traced(site, sources, trace), trace)
+
+    #: the design's decoder (``streams/decode.py``), made for a decode pass on a backend that decodes
+    decoder_class: type | None = None
+
+    def _decoder(self, like: torch.Tensor):
+        fns = None if self.decoder_class is None else self.router.decode_backend(like)
+        return None if fns is None else self.decoder_class(self, like, fns)
 
     def extra_repr(self) -> str:
         return (
@@ -199,45 +149,37 @@ class FullAttnResStream(DepthRoutingStream):
 
     kind = "full"
     counts_writes = True
+    decoder_class = FullDecoder
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def _init(self, e: torch.Tensor) -> FullState | DecodeState:
-        decode = self._begin_decode(e, self.num_sublayers + 1, (e,))
-        if decode is not None:
-            return decode
+    def _init(self, e: torch.Tensor) -> FullState:
         e, memo = self._add_source(self.router.start(e), e, 0)
         return FullState((e,), memo)
 
-    def _read(self, state: FullState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
-        if type(state) is DecodeState:
-            return self._read_decoded(state, i, trace)
-        if trace is None:  # the norm fused: backward recomputes the mix instead of keeping it
-            return self._route(i, state.sources, state.memo, norm=self._site_norm(i))
-        return self._finish_read(i, self._route(i, state.sources, state.memo, trace), trace)
+    def _read(self, state: FullState, i: int, trace: Trace | None) -> torch.Tensor:
+        if trace is not None:
+            return self._read_traced(i, state.sources, trace)
+        # the norm fused: backward recomputes the mix instead of keeping it
+        return self._route_sources(i, state.sources, state.memo, self._site_norm(i))
 
-    def _write(self, state: FullState | DecodeState, i: int, v: torch.Tensor) -> FullState | DecodeState:
-        if type(state) is DecodeState:
-            state.sources[state.count].copy_(v)
-            return state._replace(count=state.count + 1, written=i + 1)
+    def _write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
         v, memo = self._add_source(state.memo, v, i + 1)
         return FullState(state.sources + (v,), memo)
 
-    def _output(self, state: FullState | DecodeState, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: FullState, trace: Trace | None) -> torch.Tensor:
         return self._read(state, self.num_sublayers, trace)
 
-    def _hidden(self, state: FullState | DecodeState) -> tuple[torch.Size, torch.device]:
+    def _hidden(self, state: FullState) -> tuple[torch.Size, torch.device]:
         first = state.sources[0]
         return first.shape, first.device
 
-    def _written(self, state: FullState | DecodeState) -> int:
-        return state.written if type(state) is DecodeState else len(state.sources) - 1
+    def _written(self, state: FullState) -> int:
+        return len(state.sources) - 1
 
-    def split_state(self, state: FullState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        if type(state) is DecodeState:
-            return self._decode_sources(state), ()
+    def split_state(self, state: FullState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return state.sources, ()
 
     def _join_state(self, completed, rest, i: int) -> FullState:
@@ -268,7 +210,7 @@ class BlockRoutingStream(DepthRoutingStream):
     The output routing is treated as a virtual sublayer ``M`` after the last one: it opens a
     block of its own when the last block is completed, and otherwise reads that block as the
     partial (equal blocks of ``S`` that do not divide ``M``), which gives exactly the output's
-    sources of SPEC section 3 (the partial final block included when non-empty).
+    sources of METHOD.md section 3 (the partial final block included when non-empty).
 
     With ``two_phase=True`` (default), each block's queries are scored against its completed
     sources once when the block opens (``init`` and the ``write`` that closes the previous
@@ -341,21 +283,13 @@ class BlockRoutingStream(DepthRoutingStream):
                                       last, norm)
         return state._replace(memo=memo)
 
-    def _route_block(self, site: int, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
-        """``h`` for ``site`` (a sublayer, or ``M`` for the output) before its norm."""
-        if trace is not None or not self.opens_blocks:
-            return self._route(site, self.sources(state), state.memo, trace)
-        return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains)
-
-    def _route_block_normed(self, site: int, state: BlockState, trace: Trace | None = None) -> torch.Tensor:
-        """The read of ``site`` including its norm. On the two-phase path the norm is fused: a
-        block's first read comes normalized out of phase 1, a merged read out of the merge."""
-        if trace is not None:
-            return self._finish_read(site, self._route_block(site, state, trace), trace)
+    def _block_mix(self, site: int, state: BlockState, norm=None) -> torch.Tensor:
+        """``sum_j alpha_j v_j`` of ``site`` (a sublayer, or ``M`` for the output) over the
+        state's sources, through ``norm`` when given (fused): merged into the block's phase 1 on
+        the two-phase path, one routing call otherwise. Untraced."""
         if not self.opens_blocks:
-            return self._route(site, self.sources(state), state.memo, norm=self._site_norm(site))
-        return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains,
-                                self._site_norm(site))
+            return self._route_sources(site, self.sources(state), state.memo, norm)
+        return self.router.read(state.memo, site, state.partial, self.pseudo_queries, self.key_gains, norm)
 
     def _block_start(self, i: int) -> int:
         """The first site of the block that site ``i`` (``M``: the output) belongs to."""
@@ -383,18 +317,6 @@ class BlockRoutingStream(DepthRoutingStream):
         state = self._open_block(state, self._block_start(i))
         return BlockState(state.blocks, partial, state.memo, i)
 
-    def _advance_decode(self, state: DecodeState, i: int, v: torch.Tensor) -> DecodeState:
-        """``_advance`` in a decode pass: the partial sum is built in the slot the block will
-        take, so a closed block is only counted."""
-        slot = state.sources[state.count]
-        if state.has_partial:
-            slot.add_(v)
-        else:
-            slot.copy_(v)
-        if i + 1 in self._ends:
-            return state._replace(count=state.count + 1, has_partial=False, written=i + 1)
-        return state._replace(has_partial=True, written=i + 1)
-
     def _advance(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         """Add sublayer ``i``'s output to the partial sum; close the block after its last sublayer."""
         partial = v if state.partial is None else state.partial + v
@@ -416,41 +338,37 @@ class BlockAttnResStream(BlockRoutingStream):
     summing to ``M`` (uneven blocks). ``S = 1`` is Full AttnRes."""
 
     kind = "block"
+    decoder_class = BlockDecoder
     reads_are_normed_mixes = True
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
         super().__init__(dim, num_sublayers, eps, **options)
         self._make_norms()
 
-    def _init(self, e: torch.Tensor) -> BlockState | DecodeState:
-        decode = self._begin_decode(e, len(self._ends) + 2, (e,))  # e, the blocks, an open block
-        if decode is not None:
-            return decode
+    def _init(self, e: torch.Tensor) -> BlockState:
         return self._open_block(self._complete(self._begin(e), e, 0), 0)
 
-    def _read(self, state: BlockState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
-        if type(state) is DecodeState:
-            return self._read_decoded(state, i, trace)
-        return self._route_block_normed(i, state, trace)
+    def _read(self, state: BlockState, i: int, trace: Trace | None) -> torch.Tensor:
+        if trace is not None:
+            return self._read_traced(i, self.sources(state), trace)
+        # on the two-phase path a block's first read comes normalized out of phase 1, a later one
+        # out of the merge
+        return self._block_mix(i, state, self._site_norm(i))
 
-    def _write(self, state: BlockState | DecodeState, i: int, v: torch.Tensor) -> BlockState | DecodeState:
-        if type(state) is DecodeState:
-            return self._advance_decode(state, i, v)
+    def _write(self, state: BlockState, i: int, v: torch.Tensor) -> BlockState:
         return self._advance(state, i, v)
 
-    def _output(self, state: BlockState | DecodeState, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: BlockState, trace: Trace | None) -> torch.Tensor:
         return self._read(state, self.num_sublayers, trace)
 
-    def _hidden(self, state: BlockState | DecodeState) -> tuple[torch.Size, torch.device]:
-        first = state.sources[0] if type(state) is DecodeState else state.blocks[0]
+    def _hidden(self, state: BlockState) -> tuple[torch.Size, torch.device]:
+        first = state.blocks[0]
         return first.shape, first.device
 
-    def _written(self, state: BlockState | DecodeState) -> int:
+    def _written(self, state: BlockState) -> int:
         return state.written
 
-    def split_state(self, state: BlockState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        if type(state) is DecodeState:
-            return self._decode_sources(state, 0, state.count), self._decode_sources(state, state.count)
+    def split_state(self, state: BlockState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return state.blocks, (() if state.partial is None else (state.partial,))
 
     def _join_state(self, completed, rest, i: int) -> BlockState:

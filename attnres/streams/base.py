@@ -1,4 +1,4 @@
-"""The stream protocol every residual design follows (DESIGN.md).
+"""The stream protocol every residual design follows (docs/ARCHITECTURE.md).
 
 A stream answers three questions: what it stores (``init``/``write``), how the next sublayer
 reads (``read``, pre-norm included) and what reaches the LM head (``output``, final norm
@@ -12,6 +12,9 @@ included)::
 The state is an explicit value (a tensor or a NamedTuple of tensors), never hidden module state.
 A ``Trace`` given to ``read`` and ``output`` records what analysis needs (depth weights, the RMS
 of each read); a read without one runs the fast path.
+
+A decode pass is asked for, never inferred: ``stream.decoder(e)`` gives what runs it, on the same
+protocol (``streams/decode.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import inspect
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -106,14 +109,12 @@ class Stream(nn.Module):
     def init(self, e: torch.Tensor) -> Any:
         """The state before sublayer 0, from the embedding ``e`` ``[..., D]``."""
         if not isinstance(e, torch.Tensor) or e.ndim < 1 or e.shape[-1] != self.dim:
-            given = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
-            raise ValueError(f"{self.kind} stream: init takes the embedding [..., {self.dim}] (dim={self.dim}), "
-                             f"given {given}")
+            self._refuse_embedding(e, "init")
         return self._init(e)
 
     def read(self, state: Any, i: int, trace: Trace | None = None) -> torch.Tensor:
         """What sublayer ``i`` consumes, ``[..., D]``, its pre-norm included."""
-        # inline and in one condition: the checks run at every routing point of every decoded token
+        # inline and in one condition: the checks run at every routing point of every token
         if type(i) is not int or not 0 <= i < self.num_sublayers or (self.counts_writes and self._written(state) != i):
             self._refuse(state, i, "read")
         return self._read(state, i, trace)
@@ -124,9 +125,7 @@ class Stream(nn.Module):
             self._refuse(state, i, "write")
         shape, device = self._hidden(state)
         if not isinstance(v, torch.Tensor) or v.shape != shape or v.device != device:
-            given = f"{tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"{self.kind} stream: write({i}) takes the sublayer's output {tuple(shape)} on "
-                             f"{device} (the embedding's shape and device), given {given}")
+            refuse_output(f"{self.kind} stream", i, v, shape, device)
         return self._write(state, i, v)
 
     def output(self, state: Any, trace: Trace | None = None) -> torch.Tensor:
@@ -159,17 +158,38 @@ class Stream(nn.Module):
                              f"sources and {len(rest)} other tensors")
         return rest[0]
 
+    # -- decoding --------------------------------------------------------------------------------
+    def decoder(self, like: torch.Tensor) -> Any:
+        """What runs a decode pass over embeddings like ``like`` ``[..., D]``, on the protocol of
+        a stream (``init``, ``read``, ``write``, ``output``, ``split_state``): the design's decoder
+        (``streams/decode.py``) where it has one and the routing backend decodes, otherwise the
+        stream itself, whose ordinary pass then runs. The caller asks for it explicitly
+        (``Transformer.forward(decode=True)``); a decode pass runs with autograd off, and a
+        request with autograd on is refused (``RuntimeError``): nothing of a decode pass is
+        differentiable, and a pass with gradients is an ordinary one."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{self.kind} stream: a decode pass runs with autograd off (under torch.no_grad() "
+                               f"or torch.inference_mode()); a pass that needs gradients is an ordinary one "
+                               f"(decode=False)")
+        if not isinstance(like, torch.Tensor) or like.ndim < 1 or like.shape[-1] != self.dim:
+            self._refuse_embedding(like, "decoder")
+        return self._decoder(like) or self
+
+    def _decoder(self, like: torch.Tensor) -> Any:
+        """The design's decoder for a pass over data like ``like``, or None where there is none."""
+        return None
+
+    def _refuse_embedding(self, e: Any, operation: str) -> NoReturn:
+        given = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+        raise ValueError(f"{self.kind} stream: {operation} takes the embedding [..., {self.dim}] (dim={self.dim}), "
+                         f"given {given}")
+
     def _refuse(self, state: Any, i: Any, operation: str) -> None:
         """Raise for ``i``, which is not a sublayer index, or (for a design that reads its sources
-        in order) not the next one: sublayer ``i`` is read and written after the writes of
-        ``0..i-1``."""
+        in order) not the next one."""
         if type(i) is not int or not 0 <= i < self.num_sublayers:
-            raise ValueError(f"{self.kind} stream: {operation}({i!r}) needs a sublayer index, an integer in "
-                             f"[0, {self.num_sublayers - 1}]")
-        written = self._written(state)
-        held = f"the writes of sublayers 0..{written - 1}" if written else "no write yet"
-        raise RuntimeError(f"{self.kind} stream: {operation}({i}) out of order: the state holds {held}, "
-                           f"so the next sublayer is {written}")
+            refuse_index(f"{self.kind} stream", self.num_sublayers, i, operation)
+        refuse_order(f"{self.kind} stream", i, operation, self._written(state))
 
     # -- what each design implements ----------------------------------------------------------
     def _init(self, e: torch.Tensor) -> Any:
@@ -249,6 +269,27 @@ class MultiStream(Stream):
         return f"{super().extra_repr()}, streams={self.streams}"
 
 
+def refuse_index(who: str, num_sublayers: int, i: Any, operation: str) -> NoReturn:
+    """Raise ``ValueError``: ``i`` is not a sublayer index of ``num_sublayers``."""
+    raise ValueError(f"{who}: {operation}({i!r}) needs a sublayer index, an integer in [0, {num_sublayers - 1}]")
+
+
+def refuse_order(who: str, i: int, operation: str, written: int) -> NoReturn:
+    """Raise ``RuntimeError``: sublayer ``i`` is not the next one of a state holding ``written``
+    sublayers (sublayer ``i`` is read and written after the writes of ``0..i-1``)."""
+    held = f"the writes of sublayers 0..{written - 1}" if written else "no write yet"
+    raise RuntimeError(f"{who}: {operation}({i}) out of order: the state holds {held}, so the next sublayer is "
+                       f"{written}")
+
+
+def refuse_output(who: str, i: int, v: Any, shape: torch.Size, device: torch.device) -> NoReturn:
+    """Raise ``ValueError``: ``v`` is not an output of sublayer ``i`` (the embedding's
+    ``shape`` on its ``device``)."""
+    given = f"{tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
+    raise ValueError(f"{who}: write({i}) takes the sublayer's output {tuple(shape)} on {device} (the embedding's "
+                     f"shape and device), given {given}")
+
+
 def record_rms(site: int, hidden: torch.Tensor, trace: Trace | None) -> None:
     if trace is not None:
         trace.read_rms[site] = rms(hidden).detach()
@@ -257,11 +298,12 @@ def record_rms(site: int, hidden: torch.Tensor, trace: Trace | None) -> None:
 def resolve_block_sizes(num_sublayers: int, block_size: int | None = None, num_blocks: int | None = None,
                         block_sizes=None) -> tuple[tuple[int, ...], bool]:
     """The blocks' sizes in sublayers ``(n_0, ..., n_{N-1})``, summing to ``M``, from one of
-    ``block_sizes`` (explicit, SPEC section 3 "Uneven blocks"), ``block_size`` or ``num_blocks``
+    ``block_sizes`` (explicit, docs/METHOD.md section 3 "Uneven blocks"), ``block_size`` or ``num_blocks``
     (equal blocks of ``S`` but a possibly shorter last one; default 8 blocks); and whether the
     last block is completed after its last sublayer. Explicit sizes always complete it; equal
     blocks complete it only when ``S`` divides ``M`` (otherwise the output reads it as the
-    partial, as the block-size formulas of SPEC section 3 have it; both give the same sources)."""
+    partial, as the block-size formulas of docs/METHOD.md section 3 have
+    it; both give the same sources)."""
     m = num_sublayers
     if block_sizes is None:
         size = resolve_block_size(m, block_size, num_blocks)

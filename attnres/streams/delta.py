@@ -1,4 +1,5 @@
-"""Delta AttnRes: identity-preserving routing for converting a pretrained model (SPEC section 5).
+"""Delta AttnRes: identity-preserving routing for converting a pretrained model (docs/METHOD.md
+section 5).
 
 stores: the model's additive stream ``h``, plus ``e`` and the block sums of sublayer outputs.
 reads:  ``RMSNorm_{g_i}(h_i + a_i * r_i)`` where ``r_i`` routes (multi-head) over
@@ -21,8 +22,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attnres import BlockRoutingStream, BlockState, DecodeState
+from .attnres import BlockRoutingStream, BlockState
 from .base import Trace, record_rms
+from .decode import DeltaDecoder
 
 
 class DeltaState(NamedTuple):
@@ -32,6 +34,7 @@ class DeltaState(NamedTuple):
 
 class DeltaAttnResStream(BlockRoutingStream):
     kind = "delta"
+    decoder_class = DeltaDecoder
 
     wrapper_options = ("own_norms",)
 
@@ -48,52 +51,41 @@ class DeltaAttnResStream(BlockRoutingStream):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gates)
 
-    def _init(self, e: torch.Tensor) -> DeltaState | DecodeState:
-        decode = self._begin_decode(e, len(self._ends) + 3, (self.null, e))  # null, e, the blocks, an open block
-        if decode is not None:
-            return decode._replace(h=e.clone(), gates=self.gates.tolist())
+    def _init(self, e: torch.Tensor) -> DeltaState:
         # the null source comes first: one vector for every token, prepared and scored once
         routed = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
         return DeltaState(e, self._open_block(self._complete(routed, e, 0), 0))
 
-    def _read_site(self, site: int, state: DeltaState | DecodeState, trace: Trace | None) -> torch.Tensor:
-        if type(state) is DecodeState:
-            norm = self._site_norm(site) if self.own_norms else None
-            if trace is None:
-                return self._decode_read(state, site, norm, base=state.h, gate=state.gates[site])
-            routed = self._route(site, self._decode_sources(state), None, trace)
-        else:
-            routed = self._route_block(site, state.routed, trace)
-        u = state.h + self.gates[site].to(state.h.dtype) * routed
+    def _gated_read(self, site: int, h: torch.Tensor, routed: torch.Tensor, trace: Trace | None) -> torch.Tensor:
+        """The read of ``site`` from the additive stream ``h`` and the site's routed mix:
+        ``RMSNorm_{g_site}(h + a_site * routed)``, or ``h + a_site * routed`` without own norms
+        (its RMS recorded when traced)."""
+        u = h + self.gates[site].to(h.dtype) * routed
         if not self.own_norms:
             record_rms(site, u, trace)
             return u
         return self._finish_read(site, u, trace)
 
-    def _read(self, state: DeltaState | DecodeState, i: int, trace: Trace | None) -> torch.Tensor:
-        return self._read_site(i, state, trace)
+    def _read(self, state: DeltaState, i: int, trace: Trace | None) -> torch.Tensor:
+        if trace is not None:
+            return self._gated_read(i, state.h, self._route_traced(i, self.sources(state.routed), trace), trace)
+        return self._gated_read(i, state.h, self._block_mix(i, state.routed), None)
 
-    def _write(self, state: DeltaState | DecodeState, i: int, v: torch.Tensor) -> DeltaState | DecodeState:
-        if type(state) is DecodeState:
-            state.h.add_(v)
-            return self._advance_decode(state, i, v)
+    def _write(self, state: DeltaState, i: int, v: torch.Tensor) -> DeltaState:
         return DeltaState(state.h + v, self._advance(state.routed, i, v))
 
-    def _output(self, state: DeltaState | DecodeState, trace: Trace | None) -> torch.Tensor:
-        return self._read_site(self.num_sublayers, state, trace)
+    def _output(self, state: DeltaState, trace: Trace | None) -> torch.Tensor:
+        return self._read(state, self.num_sublayers, trace)
 
-    def _hidden(self, state: DeltaState | DecodeState) -> tuple[torch.Size, torch.device]:
+    def _hidden(self, state: DeltaState) -> tuple[torch.Size, torch.device]:
         return state.h.shape, state.h.device
 
-    def _written(self, state: DeltaState | DecodeState) -> int:
-        return state.written if type(state) is DecodeState else state.routed.written
+    def _written(self, state: DeltaState) -> int:
+        return state.routed.written
 
-    def split_state(self, state: DeltaState | DecodeState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def split_state(self, state: DeltaState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Completed: e and the blocks (the null source is a parameter, not state); the rest:
         the additive stream ``h``, then the partial sum when there is one."""
-        if type(state) is DecodeState:
-            partial = self._decode_sources(state, state.count)
-            return self._decode_sources(state, 1, state.count), (state.h.clone(), *partial)
         routed = state.routed
         return routed.blocks[1:], (state.h,) + (() if routed.partial is None else (routed.partial,))
 
