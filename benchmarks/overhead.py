@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import pstats
 import statistics
 import sys
@@ -64,9 +65,12 @@ def model_passes(package, options):
     def prefill():
         model(x[:, :32])
 
+    # a decode pass, as generate asks for it (a revision without the flag inferred it)
+    flag = {"decode": True} if "decode" in inspect.signature(model.forward).parameters else {}
+
     @torch.no_grad()
     def decode():
-        model(x[:, 32:], cache=cache, start_pos=32)
+        model(x[:, 32:], cache=cache, start_pos=32, **flag)
 
     return {"train": train, "prefill": prefill, "decode": decode}
 

@@ -3,7 +3,7 @@
 Full and Block AttnRes (8 blocks), forward + backward, four implementations:
   cpu       the fused CPU kernels (backend="cpu", what "auto" picks on CPU; two-phase for Block)
   fast      the PyTorch fast path (backend="torch": memory-efficient autograd; two-phase for Block)
-  naive     the stacked reference: sources stacked and normalized at every read (SPEC section 11)
+  naive     the reference: sources stacked and normalized at every read (METHOD.md section 2)
   compiled  torch.compile(naive)
 Time ratios are against ``naive`` of the same design, in the same run. Memory growth per
 variant in a fresh process; a sweep over M shows how Block's memory grows.

@@ -267,7 +267,7 @@ def test_prepared_values_must_match_the_sources(backend):
 @pytest.mark.parametrize("backend", EVERY)
 def test_merge_equals_routing_with_the_partial(score, key_norm, norm, dtype, tol, backend):
     """Phase 1 over the completed sources, then the partial merged in: the read over all of
-    them (SPEC section 3's two-phase identity), its norm included, forward and gradients."""
+    them (the two-phase identity, METHOD.md section 3), its norm included, forward and gradients."""
     fns = use(backend, dtype, score, key_norm)
     query, gain, sources = make(12, 4, (3, 2), dtype)
     weight = (1 + 0.3 * torch.randn(12, generator=torch.Generator().manual_seed(1), dtype=dtype)).requires_grad_()

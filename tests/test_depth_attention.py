@@ -1,4 +1,4 @@
-"""depth_attention against SPEC's worked example and an independent per-head formula."""
+"""depth_attention against the worked example (METHOD.md section 2) and a per-head formula."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from attnres.ops import RMSNorm, depth_attention, rms_norm, sinkhorn
 from attnres.ops.rmsnorm import RMSNormFunction, rms_norm_backward, rms_norm_forward
 
-EPS_TINY = 1e-12  # "eps -> 0" in SPEC's worked example
+EPS_TINY = 1e-12  # "eps -> 0" in the worked example (docs/METHOD.md section 2)
 
 
 def worked_example_sources():

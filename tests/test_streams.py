@@ -60,7 +60,7 @@ def test_block_with_block_size_one_equals_full():
 
 
 def full_attnres_reference(e, sublayers, w, k, g, g_out, eps=1e-6, heads=1):
-    """SPEC section 2/4 written out with plain loops: sources are the raw new outputs."""
+    """METHOD.md sections 2 and 4 written out with plain loops: sources are the raw new outputs."""
     vs = [e]
     reads = []
     hd = D // heads
@@ -150,7 +150,7 @@ def test_block_sources_follow_spec(m, s):
 @pytest.mark.parametrize("kind", ["block", "delta"])
 @pytest.mark.parametrize("sizes", [(4, 4, 6, 2), (1, 6, 1), (7, 1), (16,), (1,) * 16])
 def test_uneven_block_sources_follow_spec(kind, sizes):
-    """SPEC section 3, uneven blocks: block k covers sublayers [s_k, s_k + n_k); a read sees the
+    """METHOD.md section 3, uneven blocks: block k spans sublayers [s_k, s_k + n_k); a read sees the
     completed blocks and the partial sum of its own block; the output, every block."""
     m = sum(sizes)
     stream = build_stream(kind, dim=D, num_sublayers=m, block_sizes=sizes)

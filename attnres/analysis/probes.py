@@ -1,4 +1,4 @@
-"""The MHAR "width disagreement" probe (SPEC section 10).
+"""The MHAR "width disagreement" probe (docs/METHOD.md section 10).
 
 Split a trained single-head pseudo-query into ``slices`` slices of the width; give each slice
 its own depth softmax over the same (normalized) sources; measure the mean

@@ -61,7 +61,7 @@ def depth_attention(
     backend: str = "auto",
     prepared: Sequence[torch.Tensor | None] | None = None,
 ):
-    """Route over depth (SPEC sections 2 and 4).
+    """Route over depth (docs/METHOD.md sections 2 and 4).
 
     Args:
         query: pseudo-query ``[D]`` (or per-token ``[..., D]`` for the input-dependent ablation).
@@ -72,8 +72,8 @@ def depth_attention(
         eps: RMSNorm epsilon for the keys.
         return_weights: also return the weights ``[N, ..., heads]``; they are materialized, so
             they come from the reference (``naive``) computation.
-        score: ``"softmax"`` (the method) or ``"sigmoid"`` (SPEC section 9 ablation).
-        key_norm: normalize keys with RMSNorm (``False`` is the SPEC section 9 ablation).
+        score: ``"softmax"`` (the method) or ``"sigmoid"`` (the ablation of METHOD.md section 9).
+        key_norm: normalize keys with RMSNorm (``False`` is an ablation, docs/METHOD.md section 9).
         backend: a name from ``ops.registry.NAMES``: ``"naive"`` (the reference: stacks and
             normalizes every source), ``"torch"`` (memory-efficient autograd in PyTorch ops),
             ``"cpu"`` (the same op as fused C++ kernels), ``"triton"`` (fused GPU kernels) or

@@ -47,7 +47,7 @@ class Backend:
     device_note: str = ""
     #: source dtypes it takes (None: any)
     dtypes: tuple[torch.dtype, ...] | None = None
-    #: the sigmoid score and keys without RMSNorm (SPEC section 9)
+    #: the sigmoid score and keys without RMSNorm (docs/METHOD.md section 9)
     ablations: bool = True
     #: queries ``[..., D]`` (the input-dependent ablation) besides one query ``[D]`` per site
     per_token_query: bool = False

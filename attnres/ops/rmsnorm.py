@@ -1,4 +1,4 @@
-"""RMSNorm computed exactly as Hugging Face Llama/Qwen compute it (SPEC "Notation").
+"""RMSNorm computed exactly as Hugging Face Llama/Qwen compute it (METHOD.md section 1, notation).
 
     RMSNorm_g(u) = g * cast_back(u_fp32 * rsqrt(mean(u_fp32^2) + eps))
 

@@ -1,5 +1,5 @@
 """How a stream routes over depth: one backend per forward pass, each completed source prepared
-once, and the two-phase Block computation (SPEC section 3) on whichever backend runs.
+once, and the two-phase Block computation (docs/METHOD.md section 3) on whichever backend runs.
 
 A stream keeps one ``RoutingMemo`` in its state: ``start`` makes it, every call takes it and
 returns the next one. What it holds belongs to the backend chosen for the pass (each completed
@@ -54,7 +54,7 @@ class RoutingMemo(NamedTuple):
 
 
 class DepthRouter:
-    """The routing options of one stream (SPEC sections 2-4 and 9) and the calls that route.
+    """The routing options of one stream (METHOD.md sections 2-4 and 9) and the calls that route.
 
     Args:
         heads: depth-attention heads ``H``; 1 is single-head AttnRes.

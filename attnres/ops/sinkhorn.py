@@ -1,4 +1,4 @@
-"""Sinkhorn-Knopp normalization to a doubly stochastic matrix (mHC, SPEC section 7)."""
+"""Sinkhorn-Knopp normalization to a doubly stochastic matrix (mHC, docs/METHOD.md section 7)."""
 
 from __future__ import annotations
 

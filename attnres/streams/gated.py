@@ -1,4 +1,4 @@
-"""Gated Residual, GR (SPEC section 8).
+"""Gated Residual, GR (docs/METHOD.md section 8).
 
 stores: ``n_r`` branches ``R`` ``[..., n_r, D]``, each starting as a copy of ``e``.
 reads:  ``mean_k(G_k * Rhat_k)`` where ``Rhat`` is a per-branch RMSNorm with zero-centred gain

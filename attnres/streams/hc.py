@@ -1,4 +1,4 @@
-"""Hyper-Connections, dynamic (SPEC section 6).
+"""Hyper-Connections, dynamic (docs/METHOD.md section 6).
 
 stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``.
 reads:  ``RMSNorm_{g_i}(sum_k A_m[k] H_k)`` with ``A_m = s_a tanh(Hbar W_m) + A_m0``.

@@ -1,4 +1,4 @@
-"""Manifold-constrained Hyper-Connections, mHC (SPEC section 7).
+"""Manifold-constrained Hyper-Connections, mHC (docs/METHOD.md section 7).
 
 stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``.
 reads:  ``RMSNorm_{g_i}(sum_k Hpre[k] H_k)``, ``Hpre = sigmoid(a_pre (u Phi_pre) + b_pre)``.

@@ -1,4 +1,4 @@
-"""PreNorm residual, the baseline (SPEC section 1).
+"""PreNorm residual, the baseline (docs/METHOD.md section 1).
 
 stores: one running sum ``h``.  reads: ``RMSNorm_{g_i}(h)``.  writes: ``h + v``.
 """

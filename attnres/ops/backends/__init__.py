@@ -10,7 +10,7 @@ Every backend module offers::
 ``attend``: ``S`` queries ``[S, D]`` (key-norm gains ``[S, D]`` or None) against a list of sources
 ``N x [..., D]`` (never stacked by the caller); one output ``[..., D]`` per query in the sources'
 dtype and the log-sum-exp of each query's logits ``[S, ..., H]`` (zeros for the sigmoid score).
-``merge``: phase 2 of the two-phase Block computation (SPEC section 3), the partial source
+``merge``: phase 2 of the two-phase Block computation (docs/METHOD.md section 3), the partial source
 ``[..., D]`` folded into one phase-1 result. ``norm``, anything with ``weight`` (``[D]`` or None)
 and ``eps`` (an ``ops.RMSNorm``), returns the first output (``merge``: the result) through the
 read's pre-norm, ``rms_norm(x, norm.weight, norm.eps)``, fused where the backend can.

@@ -1,6 +1,6 @@
 """The reference backend (``naive``): the specification written as plainly as possible.
 
-The oracle every other backend is tested against (SPEC sections 2-4). It stacks the sources,
+The oracle every other backend is tested against (METHOD.md sections 2-4). It stacks the sources,
 normalizes every one of them and materializes all logits; memory grows with the number of
 sources, which is exactly what the other backends avoid. Autograd differentiates it as written.
 It is the one backend that takes per-token queries ``[..., D]`` (the input-dependent ablation).
@@ -88,7 +88,7 @@ def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", 
 
 
 def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
-    """Phase 2 of the two-phase Block computation as SPEC section 3 writes it: the partial
+    """Phase 2 of the two-phase Block computation as docs/METHOD.md section 3 writes it: the partial
     source's logit ``s2`` per head, then ``h = (a o1 + b P) / (a + b)`` with
     ``a = exp(lse - m)``, ``b = exp(s2 - m)``, ``m = max(lse, s2)``; with the sigmoid score the
     plain sum ``o1 + sigmoid(s2) P``. Returns ``h`` ``[..., D]`` (partial's dtype), through

@@ -1,7 +1,7 @@
 """Memory-efficient depth attention in PyTorch ops (the ``torch`` backend).
 
 ``attend``: one ``autograd.Function`` serves every AttnRes read, ``S`` queries (one for an
-ordinary read; all queries of a block for the two-phase Block computation, SPEC section 3)
+ordinary read; all queries of a block for the two-phase Block computation, docs/METHOD.md section 3)
 against a list of sources that is never stacked. What it keeps for backward:
 
 - references to the sources (they live in the residual state anyway, so this costs nothing);
