@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test,report,train,triton,hf]"
 	touch $(STAMP)
 
+# Two workers (pytest-xdist); the tests that share a launched job or a trained comparison stay
+# in one worker (tests/conftest.py), so that it runs once. Timings: docs/BENCHMARKS.md.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 demo: $(STAMP)
 	$(VENV)/bin/attnres compare

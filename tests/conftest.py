@@ -68,3 +68,19 @@ def cli_in_process(*args):
         except SystemExit as exit_:  # argparse's refusals
             code = exit_.code
     return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with ``--dist loadgroup`` (what ``make test`` runs), the tests that ask
+    for one module-scoped fixture (a torchrun launch, a trained comparison) run in one worker,
+    which builds the fixture once; every other test goes to whichever worker is free."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    import inspect
+
+    for item in items:
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        asked = inspect.signature(item.function).parameters if hasattr(item, "function") else {}
+        shared = sorted(name for name in asked if name in definitions and definitions[name][-1].scope == "module")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))

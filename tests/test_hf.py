@@ -196,6 +196,29 @@ DOCS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_task_index():
+    """lm-eval indexes its ~14,000 bundled task files for every ``TaskManager`` (8 s): the
+    module's evaluations share one index per set of arguments. ``evaluate`` imports the class
+    when it runs, so the shared one is what it finds."""
+    try:
+        from lm_eval import tasks
+    except ImportError:  # the lm-eval tests skip themselves
+        yield
+        return
+    built, original = {}, tasks.TaskManager
+
+    def shared(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in built:
+            built[key] = original(*args, **kwargs)
+        return built[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks, "TaskManager", shared)
+        yield
+
+
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tasks")

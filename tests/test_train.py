@@ -26,7 +26,7 @@ from .conftest import cli_in_process
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": the tests that use it need not share a worker
 def corpus():
     cfg = tiny()
     return load_corpus(cfg.data, 256)
