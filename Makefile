@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test,report,train,triton,hf]"
 	touch $(STAMP)
 
-# Two workers (pytest-xdist); the tests that share a launched job or a trained comparison stay
-# in one worker (tests/conftest.py), so that it runs once. Timings: docs/BENCHMARKS.md.
+# Two workers (pytest-xdist), one thread each (tests/conftest.py); the tests that share a
+# launched job or a trained comparison carry one xdist_group, so that one worker runs it once.
+# Timings: docs/BENCHMARKS.md.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 

@@ -78,6 +78,23 @@ def ratio_to_own_baseline(times: dict[str, list[float]], baseline: str) -> dict[
     return out
 
 
+def against_revisions(measured: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """The current code against each revision that ran beside it: for every measurement (a name
+    -> the per-round seconds of every variant) and every ``name@REV`` variant whose ``name`` ran
+    in the same rounds, the median and min..max of the per-round ratios current / revision."""
+    rows = []
+    for measurement, times in measured.items():
+        for variant, ts in times.items():
+            name, rev = split_variant(variant)
+            if rev is None or name not in times:
+                continue
+            ratios = [now / then for now, then in zip(times[name], ts)]
+            rows.append(dict(variant=name, revision=rev, measurement=measurement, rounds=len(ratios),
+                             now_vs_rev=statistics.median(ratios),
+                             spread=f"{min(ratios):.3f}..{max(ratios):.3f}"))
+    return rows
+
+
 def rss_mib() -> float:
     """Current resident set size of this process in MiB."""
     with open("/proc/self/statm") as f:

@@ -18,6 +18,9 @@ the two models in turn; ratios per round against the source model.
     python benchmarks/inference.py --revisions 7483a66   # and the same variants at a git revision (block@REV)
     python benchmarks/inference.py --hf-only --rounds 15  # only the converted Llama against its source
 
+With ``--revisions``, a second table (``NAME_against.csv``) gives each design's prefill and decode
+against the same design at each revision: the median and min..max of the per-round ratios.
+
 glibc's malloc makes prefill timings depend on its heap state (see docs/BENCHMARKS.md); to time
 without page-fault churn, fix its thresholds in the environment:
 
@@ -38,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    against_revisions,
     allocator,
     import_revision,
     interleaved,
@@ -169,7 +173,8 @@ def main():
         return hf_table(args, args.csv or "inference")
     print(f"# inference: {SIZES}, prompt {args.prompt}, decode {args.new_tokens}; {machine()}")
     built = {v: build(v, args.prompt, args.new_tokens) for v in variants}
-    pre = ratio_to_own_baseline(interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1), "prenorm")
+    measured = {"prefill": interleaved({v: b[0] for v, b in built.items()}, args.rounds, warmup=1)}
+    pre = ratio_to_own_baseline(measured["prefill"], "prenorm")
     dec = {}
     for batch in args.batch:
         dec_times = {v: [] for v in variants}
@@ -185,6 +190,7 @@ def main():
                 dec_times[v].append(spent[v])
             del steps
         dec[batch] = ratio_to_own_baseline(dec_times, "prenorm")
+        measured[f"decode_b{batch}"] = dec_times
     rows = []
     for v in variants:
         row = dict(variant=v, prefill_ms=1000 * pre[v]["median_s"], prefill_vs_prenorm=pre[v]["ratio"],
@@ -199,6 +205,10 @@ def main():
     name = "inference" if allocator() == "malloc defaults" else "inference_malloc_fixed"
     name = args.csv or name + "".join(f"@{rev}" for rev in args.revisions or ())
     write_csv(name, rows)
+    if args.revisions:
+        compared = against_revisions(measured)
+        print_table(compared, list(compared[0]))
+        write_csv(f"{name}_against", compared)
     if args.hf:
         del built
         hf_table(args, name)

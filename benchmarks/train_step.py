@@ -9,7 +9,9 @@ run; ``plain`` is a nanoGPT-style loop of the same shapes (benchmarks/plain_lm.p
     python benchmarks/train_step.py --revisions 7483a66 --rounds 5   # and the same variants at a git revision
 
 With ``--revisions``, every variant also runs on the package as it was at each revision
-(``block@REV``), interleaved in the same rounds; its ratios are against ``prenorm@REV``.
+(``block@REV``), interleaved in the same rounds; its ratios are against ``prenorm@REV``. A
+second table (``NAME_against.csv``) gives each design's current step against the same design at
+the revision: the median and min..max of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    against_revisions,
     allocator,
     child_memory,
     import_revision,
@@ -127,7 +130,8 @@ def main():
     variants = with_revisions(variants, args.revisions, skip=("plain",))
     print(f"# train step: {SIZES}, batch {args.batch} x {args.seq}; {machine()}")
     steps = {v: build(v, args.batch, args.seq) for v in variants}
-    summary = ratio_to_own_baseline(interleaved(steps, args.rounds, warmup=1), "prenorm")
+    times = interleaved(steps, args.rounds, warmup=1)
+    summary = ratio_to_own_baseline(times, "prenorm")
     del steps
     extra = ["--batch", str(args.batch), "--seq", str(args.seq)]
     mem = {v: child_memory(__file__, v, extra)["growth_mib"] for v in variants}
@@ -139,7 +143,12 @@ def main():
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])
     name = "train_step" if allocator() == "malloc defaults" else "train_step_malloc_fixed"
-    write_csv(args.csv or name + "".join(f"@{rev}" for rev in args.revisions or ()), rows)
+    name = args.csv or name + "".join(f"@{rev}" for rev in args.revisions or ())
+    write_csv(name, rows)
+    if args.revisions:
+        compared = against_revisions({"train_step": times})
+        print_table(compared, list(compared[0]))
+        write_csv(f"{name}_against", compared)
 
 
 if __name__ == "__main__":

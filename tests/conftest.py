@@ -9,6 +9,11 @@ import torch  # noqa: E402
 
 from attnres import ModelConfig, Transformer  # noqa: E402
 
+# Each pytest-xdist worker (``make test`` runs two) computes on one thread: two workers of two
+# threads each on two cores would oversubscribe them. Processes the tests start keep the default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # Every design, with the options that make it non-trivial at tiny size.
 DESIGNS = {
     "prenorm": dict(residual="prenorm"),
@@ -69,18 +74,3 @@ def cli_in_process(*args):
             code = exit_.code
     return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with ``--dist loadgroup`` (what ``make test`` runs), the tests that ask
-    for one module-scoped fixture (a torchrun launch, a trained comparison) run in one worker,
-    which builds the fixture once; every other test goes to whichever worker is free."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    import inspect
-
-    for item in items:
-        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        asked = inspect.signature(item.function).parameters if hasattr(item, "function") else {}
-        shared = sorted(name for name in asked if name in definitions and definitions[name][-1].scope == "module")
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))

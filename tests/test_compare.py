@@ -11,6 +11,10 @@ import pytest
 from .conftest import cli_in_process
 
 
+# under pytest-xdist (make test) the module runs in one worker, which trains the comparison once
+pytestmark = pytest.mark.xdist_group("comparison")
+
+
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")

@@ -32,6 +32,7 @@ def single(tmp_path_factory):
     return train_losses(tmp / "run")
 
 
+@pytest.mark.xdist_group("distributed_single")  # one worker runs the one-process twin once
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(single, tmp_path, parallel):
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
@@ -62,6 +63,7 @@ def single_moe(tmp_path_factory):
     return tmp / "single"
 
 
+@pytest.mark.xdist_group("distributed_moe")  # one worker runs the one-process twin once
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_moe_on_two_ranks_matches_one_process_with_the_same_micro_batches(single_moe, tmp_path, parallel):
     """Two ranks of half the batch each against one process with two micro-batches of that size

@@ -21,6 +21,9 @@ from .pipeline_worker import DESIGNS, OTHERS
 
 REPO = Path(__file__).resolve().parents[1]
 
+# under pytest-xdist (make test) the module runs in one worker, which launches each job once
+pytestmark = pytest.mark.xdist_group("pipeline_launches")
+
 
 def launch(tmp_path_factory, ranks: int) -> list[dict]:
     out = tmp_path_factory.mktemp(f"pipeline{ranks}")
