@@ -199,9 +199,10 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("command", [["report"], ["compare", "--resume"]])
-@pytest.mark.parametrize("case", list(BROKEN))
-def test_a_broken_compare_json_is_one_line_naming_it(tmp_path, command, case):
+@pytest.mark.parametrize("case,command", [  # a cut-short file was already named by `report`
+    (case, command) for case in BROKEN for command in (["report"], ["compare", "--resume"])
+    if (case, command) != ("cut short", ["report"])], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_a_broken_compare_json_is_one_line_naming_it(tmp_path, case, command):
     import re
 
     text, message = BROKEN[case]
