@@ -37,19 +37,44 @@ def signal_after_first_step(proc: subprocess.Popen, metrics, sig: int) -> tuple[
     return proc.communicate(timeout=120)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_saves_a_checkpoint_and_train_exits_128_plus_its_number(tmp_path, sig, code):
-    """`train && next` must not go on after Ctrl-C: the checkpoint is saved, then 130 (SIGINT)
-    or 143 (SIGTERM)."""
-    proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir", str(tmp_path),
-                             "--set", "run.steps=100000", *QUIET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    out, err = signal_after_first_step(proc, lambda: tmp_path / "metrics.jsonl", sig)
-    assert proc.returncode == code, err
-    assert "interrupted, checkpoint saved" in out and "Traceback" not in err
-    step = int(latest_checkpoint(tmp_path / "checkpoints").name.split("-")[1])
-    summary = json.loads((tmp_path / "summary.json").read_text())
+TRAIN = [sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--set", "run.steps=100000", *QUIET]
+
+
+def stopped_at(run_dir: Path) -> int:
+    """The step of the run's checkpoint, which its summary (interrupted) must agree with."""
+    step = int(latest_checkpoint(run_dir / "checkpoints").name.split("-")[1])
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert step >= 1 and summary["interrupted"] and summary["steps"] == step
+    return step
+
+
+def test_ctrl_c_saves_a_checkpoint_and_train_exits_130(tmp_path):
+    """`train && next` must not go on after Ctrl-C: the checkpoint is saved, then exit 130."""
+    proc = subprocess.Popen([*TRAIN, "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    out, err = signal_after_first_step(proc, lambda: tmp_path / "metrics.jsonl", signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert "interrupted, checkpoint saved" in out and "Traceback" not in err
+    stopped_at(tmp_path)
+
+
+def test_sigterm_to_one_rank_stops_every_rank_with_exit_143(tmp_path):
+    """Two ranks as torchrun starts them (its environment), SIGTERM to rank 1 alone: both stop
+    at the same step, the checkpoint is saved, and both exit 143, so the job ends non-zero."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ranks = [subprocess.Popen([*TRAIN, "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                              "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for rank in (0, 1)]
+    _, err = signal_after_first_step(ranks[1], lambda: tmp_path / "metrics.jsonl", signal.SIGTERM)
+    out, err0 = ranks[0].communicate(timeout=120)
+    assert [rank.returncode for rank in ranks] == [143, 143], err0 + err
+    assert f"interrupted, checkpoint saved: step {stopped_at(tmp_path)}," in out
 
 
 def test_ctrl_c_before_the_first_evaluation_stops_the_whole_comparison(tmp_path):
