@@ -180,6 +180,14 @@ def test_a_killed_comparison_is_reported_and_resumes_where_it_stopped(stopped, t
     results = [json.loads((root / "results.json").read_text()) for root in (killed, straight)]
     assert results[0]["designs"]["block"]["val_loss"] == results[1]["designs"]["block"]["val_loss"]
     assert results[0]["complete"] is True and results[0]["seeds"] == [0]
+    # killed after block's last checkpoint and summary, before its analysis and record: only
+    # the analysis is made, from the checkpoint
+    before = run_files(killed / "block")
+    index["runs"], index["complete"] = index["runs"][:1], False
+    (killed / "compare.json").write_text(json.dumps(index))
+    (killed / "block" / "analysis.json").unlink()
+    assert cli_in_process("compare", "--resume", killed).returncode == 0
+    assert run_files(killed / "block") == before and json.loads((killed / "compare.json").read_text())["complete"]
     again = cli_in_process("compare", "--resume", killed)
     assert again.returncode == 2 and "is complete: nothing to resume" in again.stderr
 

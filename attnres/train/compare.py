@@ -254,9 +254,9 @@ def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome
     """Train, seed by seed, each design that ``index`` does not record as finished, recording
     each run in ``compare.json`` as it ends; then the report. A SIGINT or SIGTERM stops the run
     in progress (its checkpoint saved) and the comparison: no other run starts."""
-    corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
     start, spent = time.time(), index.get("wall_time_s", 0.0)
     with Signals() as signals:
+        corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
         for seed, label in itertools.product(plan.seeds, plan.designs):
             if signals.received is not None:
                 break
