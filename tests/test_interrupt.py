@@ -17,6 +17,9 @@ from attnres.train.checkpoint import latest_checkpoint
 
 from .conftest import cli_in_process
 
+# under pytest-xdist (make test) the tests of the stopped comparison run in one worker, which
+# trains it once
+SHARED = pytest.mark.xdist_group("stopped-comparison")
 QUIET = ["--set", "run.progress=false", "--set", "run.tensorboard=false", "--set", "run.log_every=1"]
 
 
@@ -129,6 +132,7 @@ def stopped(tmp_path_factory):
     return next(out.glob("compare-*"))
 
 
+@SHARED
 def test_sigterm_stops_the_comparison_and_compare_json_says_where(stopped):
     index = json.loads((stopped / "compare.json").read_text())
     assert list(index)[0] == "complete" and index["complete"] is False and index["stopped_by"] == "SIGTERM"
@@ -143,6 +147,7 @@ def run_files(root: Path) -> dict:
     return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@SHARED
 def test_a_killed_comparison_is_reported_and_resumes_where_it_stopped(stopped, tmp_path):
     """SIGKILL after block's checkpoint at step 3: compare.json holds no record of block and
     block has no summary. The report says so; --resume keeps prenorm and continues block from
@@ -192,6 +197,7 @@ def test_a_killed_comparison_is_reported_and_resumes_where_it_stopped(stopped, t
     assert again.returncode == 2 and "is complete: nothing to resume" in again.stderr
 
 
+@SHARED
 def test_paired_statistics_use_only_complete_pairs(stopped, tmp_path):
     """Seeds 0-3: block stopped at step 3 of seed 2, and never started seed 3. The numbers are
     those of seeds 0 and 1 alone, and the report says so."""

@@ -434,6 +434,8 @@ def _incomplete_section(c: Comparison) -> list[str]:
                      "seeds are left out.")
     else:
         lines.append("No seed was finished by every design: there is nothing to compare yet.")
+    if "config" not in c.index:  # saved before compare.json held what --resume needs
+        return [*lines, "", "It was saved before `attnres compare --resume` existed: run it again.", ""]
     return [*lines, "", f"To finish it: `attnres compare --resume {c.root}`", ""]
 
 
