@@ -172,19 +172,20 @@ def test_a_killed_comparison_is_reported_and_resumes_where_it_stopped(stopped, t
     assert index["complete"] is True and "stopped_by" not in index
     assert [(r["design"], r["steps_done"]) for r in index["runs"]] == [("prenorm", 6), ("block", 6)]
     assert "incomplete" not in (killed / "report.md").read_text()
-    straight = cli_in_process(*compare_args(tmp_path / "straight", "block"))  # block as it trains alone
-    assert straight.returncode == 0, straight.stderr
-    straight = next((tmp_path / "straight").glob("compare-*"))
+    from attnres.train.config import from_dict
+    from attnres.train.trainer import train
 
-    def rows(root):
-        lines = (root / "block" / "metrics.jsonl").read_text().splitlines()
+    straight = train(from_dict(json.loads((killed / "block" / "config.json").read_text())), tmp_path / "straight")
+
+    def rows(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
 
-    assert rows(killed) == rows(straight)
-    assert [r["step"] for r in rows(killed) if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]  # each step once
-    results = [json.loads((root / "results.json").read_text()) for root in (killed, straight)]
-    assert results[0]["designs"]["block"]["val_loss"] == results[1]["designs"]["block"]["val_loss"]
-    assert results[0]["complete"] is True and results[0]["seeds"] == [0]
+    assert rows(killed / "block") == rows(tmp_path / "straight")  # as block trains without a stop
+    assert [r["step"] for r in rows(killed / "block") if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    results = json.loads((killed / "results.json").read_text())
+    assert results["designs"]["block"]["val_loss"] == {"0": straight.summary["final_val_loss"]}
+    assert results["complete"] is True and results["seeds"] == [0]
     # killed after block's last checkpoint and summary, before its analysis and record: only
     # the analysis is made, from the checkpoint
     before = run_files(killed / "block")
