@@ -43,16 +43,41 @@ def _add_config_args(p, default_preset, note=""):
                                   "(default: the Python standard library's sources)")
 
 
-def cmd_compare(args) -> int:
-    from .train.compare import comparison_choice, compare, split_residual_overrides
+#: what sets a comparison up: with --resume the comparison's own settings are used instead
+COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out")
 
-    shared, overrides = split_residual_overrides(args.set or [])  # residual options go to the designs
-    cfg = _config_from_args(args, shared)
-    designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
-    path = compare(cfg, designs=designs, seeds=seeds, out_dir=args.out, overrides=overrides,
-                   baseline=args.baseline, command=["attnres", *args.argv])
-    print(path)
-    return 0
+
+def _given_settings(argv) -> list[str]:
+    """The options of ``COMPARE_SETTINGS`` on a command line (as argparse reads them: a long
+    option or a prefix of one, alone or with ``=VALUE``)."""
+    given = set()
+    for word in argv:
+        name = word.partition("=")[0]
+        if name.startswith("--") and len(name) > 2:
+            given.update(option for option in COMPARE_SETTINGS if option.startswith(name))
+    return [option for option in COMPARE_SETTINGS if option in given]
+
+
+def cmd_compare(args) -> int:
+    from .train.compare import (comparison_choice, resume_comparison, run_comparison,
+                                split_residual_overrides)
+
+    if args.resume:
+        given = _given_settings(args.argv[1:])
+        if given:
+            raise ValueError("--resume continues the comparison with the settings it was started "
+                             f"with; leave out {' '.join(given)}")
+        outcome = resume_comparison(Path(args.resume))
+    else:
+        # residual options go to the designs
+        shared, overrides = split_residual_overrides(args.set or [])
+        cfg = _config_from_args(args, shared)
+        designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
+        outcome = run_comparison(cfg, designs=designs, seeds=seeds, out_dir=args.out,
+                                 overrides=overrides, baseline=args.baseline,
+                                 command=["attnres", *args.argv])
+    print(outcome.report)
+    return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 
 
 def cmd_train(args) -> int:
@@ -83,7 +108,7 @@ def cmd_train(args) -> int:
         status = "interrupted, checkpoint saved" if result.interrupted else "done"
         print(f"{status}: step {s['steps']}, validation loss {s['final_val_loss']}, {s['tokens_per_s']:.0f} tokens/s")
         print(run_dir)
-    return 0
+    return result.exit_code  # 130 after SIGINT, 143 after SIGTERM: `train && next` stops
 
 
 def load_run(run_dir: Path):
@@ -160,6 +185,10 @@ def _add_compare(sub) -> None:
     p.add_argument("--baseline", metavar="DESIGN",
                    help="the design the others are compared with (default: prenorm when chosen, else the first)")
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
+    p.add_argument("--resume", metavar="COMPARISON_DIR",
+                   help="continue a comparison that was stopped, where it stopped, with its own "
+                        "settings (given alone: its finished runs are kept, the others continue "
+                        "from their checkpoints)")
     p.set_defaults(fn=cmd_compare)
 
 

@@ -2,8 +2,11 @@
 
 A comparison folder holds one sub-folder per run (``<design>`` or ``<design>-seed<k>``) with
 ``config.json``, ``summary.json``, ``metrics.jsonl`` and ``analysis.json``; ``compare.json``
-lists them in order. Every number in the report is read from those files; the report's numbers
-also go to ``results.json`` (``comparison_results``).
+lists them in order (with the steps each planned and reached) and says whether the comparison is
+complete. An incomplete one (stopped by a signal, or killed) is reported as such: what is
+missing, and numbers from complete pairs only (the seeds every design finished). Every number
+in the report is read from those files; the report's numbers also go to ``results.json``
+(``comparison_results``).
 """
 
 from __future__ import annotations
@@ -41,12 +44,79 @@ def check_report_dependencies(seeds: int) -> None:
             raise ValueError("the intervals over seeds need scipy: pip install 'attnres[report]'") from None
 
 
-def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
-    compare_dir = Path(compare_dir)
-    index_path = compare_dir / "compare.json"
+def run_name(design: str, seed: int, seeds) -> str:
+    """The folder of ``design``'s run for ``seed`` in a comparison over ``seeds``: the design's
+    name, with ``-seed<k>`` when there are several seeds."""
+    return design if len(seeds) == 1 else f"{design}-seed{seed}"
+
+
+def _list_problem(index: dict, key: str, kind: type) -> str | None:
+    values = index.get(key)
+    if key not in index:
+        return f"has no {key!r}"
+    if not isinstance(values, list) or not values or any(type(v) is not kind for v in values):
+        return f"{key!r} is {values!r}, not a non-empty list of {kind.__name__}"
+    return None
+
+
+def _run_problem(index: dict, k: int, run) -> str | None:
+    if not isinstance(run, dict):
+        return f"runs[{k}] is {run!r}, not an object"
+    lacking = [key for key in ("design", "seed", "dir") if key not in run]
+    if lacking:
+        return f"runs[{k}] has no {lacking}"
+    if run["design"] not in index["designs"] or run["seed"] not in index["seeds"]:
+        return (f"runs[{k}] is design {run['design']!r}, seed {run['seed']!r}: not one the "
+                "comparison lists")
+    folder = run["dir"]
+    if not isinstance(folder, str) or folder in ("", ".", "..") or Path(folder).name != folder:
+        return f"runs[{k}] has dir {folder!r}: not the name of a folder inside the comparison's"
+    steps = [run.get(key) for key in ("steps", "steps_done") if key in run]
+    if any(type(v) is not int or v < 0 for v in steps):
+        return f"runs[{k}] has steps {steps}: not integers >= 0"
+    return None
+
+
+def index_problem(index) -> str | None:
+    """What is wrong with a comparison's ``compare.json`` (``index``), or None: it is an object
+    with its ``designs`` and ``seeds`` (non-empty lists), and ``runs``, each naming one of them
+    once and a folder inside the comparison's, with its steps (planned and done) when given."""
+    if not isinstance(index, dict):
+        return f"holds {type(index).__name__} {index!r:.40}, not an object"
+    problem = _list_problem(index, "designs", str) or _list_problem(index, "seeds", int)
+    if problem:
+        return problem
+    if not isinstance(index.get("runs"), list):
+        return "has no 'runs' list"
+    for k, run in enumerate(index["runs"]):
+        problem = _run_problem(index, k, run)
+        if problem:
+            return problem
+    pairs = [(r["design"], r["seed"]) for r in index["runs"]]
+    if len(set(pairs)) != len(pairs):
+        return "lists a design and seed twice in 'runs'"
+    if not isinstance(index.get("complete", True), bool):
+        return f"'complete' is {index['complete']!r}, not true or false"
+    return None
+
+
+def load_index(compare_dir: Path) -> dict:
+    """A comparison's ``compare.json``, checked (``index_problem``): ``ValueError`` naming the
+    file and what is wrong."""
+    index_path = Path(compare_dir) / "compare.json"
     if not index_path.exists():
         raise ValueError(f"{compare_dir} is not a comparison folder: compare.json is missing")
     index = read_json(index_path)
+    problem = index_problem(index)
+    if problem:
+        raise ValueError(f"{index_path} {problem}; was it cut short or edited by hand?")
+    return index
+
+
+def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
+    """The comparison's index and the runs it records, each with its saved files."""
+    compare_dir = Path(compare_dir)
+    index = load_index(compare_dir)
     runs = []
     for entry in index["runs"]:
         d = compare_dir / entry["dir"]
@@ -61,6 +131,38 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
         run["analysis"] = read_json(analysis) if analysis.exists() else None
         runs.append(run)
     return index, runs
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """``"; its last checkpoint is step N"`` from a run folder's ``checkpoints/latest``, or ''."""
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_text()
+        return f"; its last checkpoint is step {int(name.split('-')[1])}"
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def run_status(root: Path, index: dict, runs: list[dict]) -> dict[tuple[str, int], str | None]:
+    """``(design, seed)`` -> None for every run the comparison plans that finished its steps,
+    else what became of it: stopped at a step (``steps_done`` of ``steps`` in ``compare.json``,
+    or for an older comparison its summary's steps against its config's), killed while it
+    trained (a folder that ``compare.json`` does not record), or not started."""
+    entries = {(r["design"], r["seed"]): r for r in runs}
+    status = {}
+    for seed in index["seeds"]:
+        for design in index["designs"]:
+            run, folder = entries.get((design, seed)), root / run_name(design, seed, index["seeds"])
+            if run is not None:
+                steps = run.get("steps", run["config"].get("run", {}).get("steps"))
+                done = run.get("steps_done", run["summary"].get("steps", steps))
+                finished = steps is None or done >= steps
+                status[design, seed] = None if finished else f"stopped at step {done} of {steps}"
+            elif folder.is_dir():
+                status[design, seed] = ("killed while it trained (compare.json has no record of it)"
+                                        + _last_checkpoint(folder))
+            else:
+                status[design, seed] = "not started"
+    return status
 
 
 def by_design(runs: list[dict]) -> dict[str, list[dict]]:
@@ -302,11 +404,39 @@ class Comparison:
 
 def load_comparison(compare_dir: Path, baseline: str | None = None) -> Comparison:
     """The comparison in ``compare_dir`` with its baseline: ``baseline`` when given, else the
-    one the comparison chose (``choose_baseline``)."""
+    one the comparison chose (``choose_baseline``). Only complete pairs are compared: the runs
+    of the seeds that every design finished (``run_status``); ``results`` says which seeds
+    those are (``seeds``), whether the comparison is ``complete`` and what is ``missing``."""
     index, runs = load_runs(compare_dir)
+    status = run_status(Path(compare_dir), index, runs)
+    seeds = [s for s in index["seeds"] if all(status[d, s] is None for d in index["designs"])]
+    runs = [r for r in runs if r["seed"] in seeds]
     designs = by_design(runs)
-    baseline = choose_baseline(designs, baseline or index.get("baseline"))
-    return Comparison(Path(compare_dir), index, runs, designs, baseline, comparison_results(designs, baseline))
+    baseline = choose_baseline(index["designs"], baseline or index.get("baseline"))
+    results = comparison_results(designs, baseline) if runs else dict(baseline=baseline, designs={})
+    missing = [f"{d}, seed {s}: {text}" for (d, s), text in status.items() if text]
+    results.update(complete=not missing, seeds=seeds, missing=missing)
+    return Comparison(Path(compare_dir), index, runs, designs, baseline, results)
+
+
+def _incomplete_section(c: Comparison) -> list[str]:
+    """What an incomplete comparison lacks, which seeds its numbers use, how to finish it."""
+    if c.results["complete"]:
+        return []
+    stopped = c.index.get("stopped_by")
+    why = f"stopped by {stopped}" if stopped else "it did not run to its end"
+    lines = [f"**This comparison is incomplete**: {why}. Not finished:", "",
+             *(f"- {m}" for m in c.results["missing"]), ""]
+    seeds, planned = c.results["seeds"], ", ".join(map(str, c.index["seeds"]))
+    if seeds:
+        lines.append("The numbers below use only complete pairs: the seeds that every design "
+                     f"finished ({', '.join(map(str, seeds))} of {planned}); the runs of the other "
+                     "seeds are left out.")
+    else:
+        lines.append("No seed was finished by every design: there is nothing to compare yet.")
+    if "config" not in c.index:  # saved before compare.json held what --resume needs
+        return [*lines, "", "It was saved before `attnres compare --resume` existed: run it again.", ""]
+    return [*lines, "", f"To finish it: `attnres compare --resume {c.root}`", ""]
 
 
 def _header(c: Comparison) -> list[str]:
@@ -317,6 +447,7 @@ def _header(c: Comparison) -> list[str]:
     return [
         "# Residual designs compared",
         "",
+        *_incomplete_section(c),
         f"Data: {first['summary']['data']}. Every design saw the same {first['summary']['tokens']:,} training tokens "
         f"({run['steps']} steps of {run['batch_size']} x {run['seq_len']}) in the same order, from the same initial "
         f"seed, and was evaluated on the same {run['eval_batches']} validation batches.",
@@ -444,13 +575,18 @@ def _width_probe_section(c: Comparison) -> list[str]:
 def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     """(Re)build ``compare_dir/report.md``, its figures and ``results.json`` from the saved
     artifacts. ``baseline``: the design the others are compared with (default: the one the
-    comparison chose, see ``choose_baseline``). The report's sections, in order: the header and
-    summary table, the designs' options, the validation loss, the depth weights, the expert
-    load, growth over depth, the width probe."""
+    comparison chose, see ``choose_baseline``). The report's sections, in order: the header
+    (with, for an incomplete comparison, what it lacks) and summary table, the designs'
+    options, the validation loss, the depth weights, the expert load, growth over depth, the
+    width probe; for a comparison without a seed that every design finished, what it lacks."""
     plt = _matplotlib()
     c = load_comparison(compare_dir, baseline)
-    lines = [*_header(c), *_options_section(c), *_loss_section(c, plt), *_depth_weights_section(c, plt),
-             *_expert_load_section(c, plt), *_depth_growth_section(c, plt), *_width_probe_section(c)]
+    if not c.runs:  # no seed finished by every design
+        lines = ["# Residual designs compared", "", *_incomplete_section(c)]
+    else:
+        lines = [*_header(c), *_options_section(c), *_loss_section(c, plt),
+                 *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
+                 *_depth_growth_section(c, plt), *_width_probe_section(c)]
     (c.root / "results.json").write_text(json.dumps(c.results, indent=2))
     path = c.root / "report.md"
     path.write_text("\n".join(lines))

@@ -1,20 +1,33 @@
-"""Train several residual designs on the same data, batches, seed and budget; then report."""
+"""Train several residual designs on the same data, batches, seed and budget; then report.
+
+A signal stops a comparison, not only its current run: the run's checkpoint is saved, no other
+run starts, ``compare.json`` says ``"complete": false`` with the steps each run reached, and
+``resume_comparison`` (``attnres compare --resume``) continues it where it stopped.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
+import signal
 import time
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.capture import capture_analysis
-from ..analysis.report import check_report_dependencies, choose_baseline, write_report
-from ..model import ModelConfig
+from ..analysis.report import (check_report_dependencies, choose_baseline, load_index, run_name,
+                               write_report)
+from ..files import read_json
+from ..model import ModelConfig, Transformer
 from ..streams import MODEL_OPTIONS, STREAMS
-from .config import COMPARISON_PRESETS, TrainConfig, parse_value
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .config import COMPARISON_PRESETS, TrainConfig, from_dict, parse_value, to_dict
 from .data import batch_at, load_corpus
-from .trainer import EVAL_SEED, train
+from .run_dir import RUN_FILES
+from .trainer import EVAL_SEED, Signals, exit_status, train
 
 # label -> model options; "n_kv_heads" stands for the model's number of KV heads
 DESIGNS: dict[str, dict] = {
@@ -100,14 +113,26 @@ def split_residual_overrides(assignments) -> tuple[list[str], dict]:
     return others, overrides
 
 
-def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str | Path = "runs",
-            log=print, overrides: dict | None = None, baseline: str | None = None,
-            command: list[str] | None = None) -> Path:
-    """Train every design for every seed into ``out_dir/compare-<timestamp>/``; returns the
-    path of the report. ``overrides``: residual options (``model.<option>`` fields) that apply
-    to every chosen design that takes them, replacing the design's own value. ``baseline``: the
-    design the others are compared with (default ``prenorm`` when chosen, else the first).
-    ``command``: the command line that asked for the comparison, for the report to quote."""
+@dataclass
+class Plan:
+    """What a comparison trains, checked: the shared config, the designs and seeds in order, the
+    baseline, and each design's residual options and model config."""
+
+    base: TrainConfig
+    designs: list[str]
+    seeds: list[int]
+    baseline: str
+    options: dict[str, dict]
+    configs: dict[str, ModelConfig]
+
+    def run_config(self, label: str, seed: int) -> TrainConfig:
+        return dataclasses.replace(self.base, model=self.configs[label],
+                                   run=dataclasses.replace(self.base.run, seed=seed))
+
+
+def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
+                    baseline: str | None) -> Plan:
+    """Every setting of a comparison checked before any work (``compare``'s arguments)."""
     base.validate()
     designs, seeds = list(designs), list(seeds)
     for name, values in (("designs", designs), ("seeds", seeds)):
@@ -117,30 +142,190 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
         raise ValueError(f"seeds {seeds} must be integers >= 0")
     baseline = choose_baseline(designs, baseline)
     check_report_dependencies(len(seeds))
-    overrides = overrides or {}
     check_overrides(designs, overrides)
     options = {label: design_options(base.model, label, overrides) for label in designs}  # fail fast on bad labels
     configs = {label: design_config(base.model, label, options=options[label]) for label in designs}
     for label, config in configs.items():
         dataclasses.replace(base, model=config).validate()
+    return Plan(base, designs, seeds, baseline, options, configs)
+
+
+@dataclass
+class ComparisonOutcome:
+    """A comparison's report, and the signal that stopped it (None when it ran to its end)."""
+
+    report: Path
+    signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 0, or 130 after SIGINT and 143 after SIGTERM."""
+        return exit_status(self.signal)
+
+
+def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str | Path = "runs",
+            log=print, overrides: dict | None = None, baseline: str | None = None,
+            command: list[str] | None = None) -> Path:
+    """Train every design for every seed into ``out_dir/compare-<timestamp>/``; returns the
+    path of the report. ``overrides``: residual options (``model.<option>`` fields) that apply
+    to every chosen design that takes them, replacing the design's own value. ``baseline``: the
+    design the others are compared with (default ``prenorm`` when chosen, else the first).
+    ``command``: the command line that asked for the comparison, for the report to quote.
+    ``run_comparison`` says too whether a signal stopped it."""
+    return run_comparison(base, designs, seeds, out_dir, log, overrides, baseline, command).report
+
+
+def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
+                   out_dir: str | Path = "runs", log=print, overrides: dict | None = None,
+                   baseline: str | None = None,
+                   command: list[str] | None = None) -> ComparisonOutcome:
+    """``compare``, returning its report and the signal that stopped it. ``compare.json`` is
+    written before the first run (``"complete": false`` until every run finished) and after
+    each; it holds what ``resume_comparison`` needs to continue: the shared config, the residual
+    options given, and per run the steps planned and done."""
+    overrides = overrides or {}
+    plan = plan_comparison(base, designs, seeds, overrides, baseline)
     root = Path(out_dir) / time.strftime("compare-%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=False)
-    corpus = load_corpus(base.data, base.model.vocab_size, bpe_dir=root)
-    index = {"designs": designs, "seeds": seeds, "baseline": baseline, "command": command, "runs": []}
-    start = time.time()
-    for seed in seeds:
-        for label in designs:
-            name = label if len(seeds) == 1 else f"{label}-seed{seed}"
-            cfg = dataclasses.replace(base, model=configs[label], run=dataclasses.replace(base.run, seed=seed))
-            log(f"[{time.time() - start:5.0f}s] training {name} ({cfg.run.steps} steps)")
-            result = train(cfg, root / name, corpus=corpus)
-            x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
-            analysis = capture_analysis(result.model, x)
-            (root / name / "analysis.json").write_text(json.dumps(analysis))
-            log(f"[{time.time() - start:5.0f}s] {name}: validation loss {result.summary['final_val_loss']:.4f}")
-            index["runs"].append({"design": label, "seed": seed, "dir": name,
-                                  "options": options[label]})
-            (root / "compare.json").write_text(json.dumps(index, indent=2))
-    index["wall_time_s"] = time.time() - start
-    (root / "compare.json").write_text(json.dumps(index, indent=2))
-    return write_report(root)
+    index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
+             "baseline": plan.baseline, "command": command, "steps": base.run.steps,
+             "config": to_dict(base), "overrides": overrides, "runs": []}
+    write_index(root, index)
+    return train_designs(root, plan, index, log)
+
+
+def resume_comparison(root: str | Path, log=print) -> ComparisonOutcome:
+    """Continue the comparison in ``root`` where it stopped, with its own settings: the runs it
+    finished are kept, each unfinished one continues from its checkpoint (``train``'s resume;
+    one without a checkpoint starts over), and those not started run."""
+    root = Path(root)
+    path = root / "compare.json"
+    index = load_index(root)
+    lacking = [key for key in ("config", "steps", "overrides") if key not in index]
+    if lacking:
+        raise ValueError(f"{path} lacks {lacking}: it was written before `attnres compare "
+                         "--resume` existed, or edited by hand; run the comparison again")
+    try:
+        base = from_dict(index["config"])
+    except ValueError as err:
+        raise ValueError(f"{path}: 'config' is {err}") from None
+    if not isinstance(index["overrides"], dict) or index["steps"] != base.run.steps:
+        raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
+                         "was it edited by hand?")
+    plan = plan_comparison(base, index["designs"], index["seeds"], index["overrides"],
+                           index.get("baseline"))
+    if _all_finished(index, plan):
+        raise ValueError(f"the comparison in {root} is complete: nothing to resume "
+                         f"(`attnres report {root}` rebuilds its report)")
+    return train_designs(root, plan, index, log)
+
+
+def write_index(root: Path, index: dict) -> None:
+    """``compare.json``, replaced atomically: a comparison killed mid-write keeps the last one."""
+    tmp = root / ".compare.json.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, root / "compare.json")
+
+
+def _entry(index: dict, label: str, seed: int) -> dict | None:
+    return next((r for r in index["runs"] if (r["design"], r["seed"]) == (label, seed)), None)
+
+
+def _finished(index: dict, label: str, seed: int) -> bool:
+    entry = _entry(index, label, seed)
+    return entry is not None and entry.get("steps_done", 0) >= entry.get("steps", index["steps"])
+
+
+def _all_finished(index: dict, plan: Plan) -> bool:
+    pairs = itertools.product(plan.seeds, plan.designs)
+    return all(_finished(index, label, seed) for seed, label in pairs)
+
+
+def _record(index: dict, entry: dict) -> None:
+    """``entry`` in ``index["runs"]``, in place of the same design and seed's earlier one."""
+    old = _entry(index, entry["design"], entry["seed"])
+    if old is None:
+        index["runs"].append(entry)
+    else:
+        index["runs"][index["runs"].index(old)] = entry
+
+
+def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome:
+    """Train, seed by seed, each design that ``index`` does not record as finished, recording
+    each run in ``compare.json`` as it ends; then the report. A SIGINT or SIGTERM stops the run
+    in progress (its checkpoint saved) and the comparison: no other run starts."""
+    start, spent = time.time(), index.get("wall_time_s", 0.0)
+    with Signals() as signals:
+        corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
+        for seed, label in itertools.product(plan.seeds, plan.designs):
+            if signals.received is not None:
+                break
+            if _finished(index, label, seed):
+                continue
+            _record(index, train_design(root, plan, label, seed, corpus, lambda text: log(
+                f"[{time.time() - start:5.0f}s] {text}")))
+            index["wall_time_s"] = spent + time.time() - start
+            write_index(root, index)
+        index["complete"] = _all_finished(index, plan)
+        index.pop("stopped_by", None)
+        if signals.received is not None and not index["complete"]:
+            index["stopped_by"] = signal.Signals(signals.received).name
+        index["wall_time_s"] = spent + time.time() - start
+        write_index(root, index)
+        report = write_report(root)
+    if not index["complete"]:
+        log(f"stopped by {index.get('stopped_by', 'a signal')}: the comparison is incomplete; "
+            f"continue it with: attnres compare --resume {root}")
+    return ComparisonOutcome(report, signals.received)
+
+
+def _how_to_start(run_dir: Path, steps: int) -> tuple[str, Path | None]:
+    """How a design's run starts in ``run_dir``, and its latest checkpoint: ``new`` (no run
+    there), ``resume`` (a checkpoint before the last step), ``trained`` (the last checkpoint and
+    the summary of all ``steps``: only its analysis is missing) or ``over`` (a run that left no
+    checkpoint to continue from: started over)."""
+    if not any((run_dir / name).exists() for name in RUN_FILES):
+        return "new", None
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        return "over", None
+    if int(ckpt.name.split("-")[1]) < steps:
+        return "resume", ckpt
+    summary = run_dir / "summary.json"
+    if summary.exists() and read_json(summary).get("steps") == steps:
+        return "trained", ckpt
+    return "over", ckpt
+
+
+def _trained_model(run_dir: Path, ckpt: Path) -> tuple[Transformer, dict]:
+    """The model and summary of a run that finished its steps (from its folder)."""
+    model_config = from_dict(read_json(run_dir / "config.json")).model
+    weights, _ = load_checkpoint(ckpt, model_config)
+    model = Transformer(model_config)
+    model.load_state_dict(weights)
+    return model, read_json(run_dir / "summary.json")
+
+
+def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
+    """Train design ``label`` for ``seed`` (or continue it: ``_how_to_start``), write its
+    analysis once it has finished, and return its entry of ``compare.json``."""
+    name = run_name(label, seed, plan.seeds)
+    cfg, run_dir = plan.run_config(label, seed), root / name
+    steps = cfg.run.steps
+    how, ckpt = _how_to_start(run_dir, steps)
+    if how == "trained":
+        model, summary = _trained_model(run_dir, ckpt)
+    else:
+        since = f", from its checkpoint {ckpt.name}" if how == "resume" else ""
+        log(f"training {name} ({steps} steps){since}")
+        result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over")
+        model, summary = result.model, result.summary
+    entry = {"design": label, "seed": seed, "dir": name, "options": plan.options[label],
+             "steps": steps, "steps_done": summary["steps"]}
+    if summary["steps"] < steps:
+        log(f"{name} stopped at step {summary['steps']} of {steps}, its checkpoint saved")
+        return entry
+    x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
+    (run_dir / "analysis.json").write_text(json.dumps(capture_analysis(model, x)))
+    log(f"{name}: validation loss {summary['final_val_loss']:.4f}")
+    return entry

@@ -45,12 +45,28 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+def exit_status(signum: int | None) -> int:
+    """A command's exit status once a signal stopped its work (after the checkpoint is safe):
+    128 + the signal's number, as a shell reports a process that signal ended (130 for SIGINT,
+    143 for SIGTERM); 0 when no signal came."""
+    return 0 if signum is None else 128 + int(signum)
+
+
 @dataclass
 class TrainResult:
+    """The trained model, the run's summary and corpus; ``interrupted`` when a signal stopped
+    the steps (``signal``: its number) after a checkpoint was saved."""
+
     model: Transformer
     summary: dict
     corpus: Corpus
     interrupted: bool = False
+    signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 0, or 130 after SIGINT and 143 after SIGTERM."""
+        return exit_status(self.signal)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -297,37 +313,63 @@ def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_
     return float(dist.mean_across_ranks(torch.stack(losses).mean()))
 
 
-class _Signals:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops at the next step."""
+class Signals:
+    """SIGINT/SIGTERM set ``received`` (the signal's number) instead of ending the process; the
+    work checks it where it can stop cleanly (``run_steps`` after a step, with a checkpoint).
+    Nested uses share the outermost one: a comparison holds it over all its runs, so a signal
+    between two runs stops the comparison, and one during a run stops that run and then the
+    comparison. Handlers are installed only on the main thread."""
+
+    _active: "Signals | None" = None
 
     def __init__(self):
         self.received: int | None = None
         self._previous = {}
 
-    def __enter__(self):
+    def __enter__(self) -> "Signals":
+        if Signals._active is not None:
+            return Signals._active
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            Signals._active = self
         return self
 
     def _handle(self, signum, frame):
         self.received = signum
 
     def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if Signals._active is self:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            Signals._active = None
+
+
+def agreed_signal(received: int | None, info: dist.DistInfo) -> int | None:
+    """The signal that stops every rank: under torchrun the highest number any rank received
+    (SIGTERM over SIGINT), so that all ranks stop at the same step and end alike."""
+    if not info.distributed:
+        return received
+    t = torch.tensor([received or 0], device=info.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item()) or None
 
 
 @dataclass
 class Progress:
     """How far the steps got: the last step done, the seconds spent in steps, the last training
-    and validation losses, and whether a signal stopped them."""
+    and validation losses (None before the first evaluation), and the signal that stopped them
+    (None when they ran to the end)."""
 
     done: int
     step_time: float = 0.0
     last_loss: float = float("nan")
     val_loss: float | None = None
-    interrupted: bool = False
+    signal: int | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signal is not None
 
     def add(self, done: int, result: StepResult) -> None:
         self.done, self.last_loss = done, result.loss
@@ -350,11 +392,11 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
     """Optimizer steps from ``run.start_step`` to ``run.steps``, each logged every
     ``run.log_every``, evaluated every ``run.eval_every`` and checkpointed every
     ``run.ckpt_every`` (and at the end). A SIGINT or SIGTERM on any rank saves a checkpoint after
-    the current step and stops."""
+    the current step and stops every rank (``Progress.signal``: the signal, ``agreed_signal``)."""
     r = run.cfg.run
     progress = Progress(run.start_step)
     run.model.train()
-    with _Signals() as signals:
+    with Signals() as signals:
         for step in range(run.start_step, r.steps):
             done = step + 1
             logging = done % r.log_every == 0 or done == r.steps
@@ -373,9 +415,9 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
                 metrics.log(dict(split="val", step=done, tokens=done * run.tokens_per_step, val_loss=progress.val_loss))
                 if bar is not None:
                     bar.write(f"step {done}: val loss {progress.val_loss:.4f}")
-            if dist.broadcast_flag(signals.received is not None, run.info):
+            progress.signal = agreed_signal(signals.received, run.info)
+            if progress.signal is not None:
                 save(run, done)
-                progress.interrupted = True
                 break
             if r.ckpt_every and done % r.ckpt_every == 0 and done < r.steps:
                 save(run, done)
@@ -442,4 +484,4 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     summary = summarize(run, progress)
     if run.info.is_main:
         write_json(run_dir / "summary.json", summary)
-    return TrainResult(run.model, summary, run.corpus, progress.interrupted)
+    return TrainResult(run.model, summary, run.corpus, progress.interrupted, progress.signal)
