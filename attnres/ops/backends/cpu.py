@@ -516,6 +516,11 @@ def _none_if_empty(t: Tensor | None) -> Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """``t``, or for None a fresh empty placeholder (an op's outputs must not alias each other)."""
+    return like.new_empty(0) if t is None else t
+
+
 @torch.library.custom_op("attnres::cpu_attend", mutates_args=())
 def attend_op(qg: Tensor | None, sources: list[Tensor], inv_rms: list[Tensor], logits: Tensor | None,
               norm_weight: Tensor | None, norm_eps: float | None, heads: int, score: str, key_norm: bool
@@ -545,19 +550,16 @@ def attend_backward_op(grad_outs: list[Tensor | None], grad_lse: Tensor | None, 
                           key_norm=key_norm, norm_weight=norm_weight, norm_rr=_none_if_empty(norm_rr),
                           norm_eps=norm_eps, sources_need=sources_need, qg_needs=qg_needs,
                           weight_needs=weight_needs)
-    empty = qg.new_empty(0)
-    return (empty if out.d_qg is None else out.d_qg, [empty if d is None else d for d in out.d_sources],
-            empty if out.d_weight is None else out.d_weight)
+    return (_or_empty(out.d_qg, qg), [_or_empty(d, qg) for d in out.d_sources], _or_empty(out.d_weight, qg))
 
 
 @attend_backward_op.register_fake
 def _(grad_outs, grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr, norm_eps, heads, score, key_norm,
       sources_need, qg_needs, weight_needs):
-    empty = qg.new_empty(0)
     weight_needs = weight_needs and norm_rr.numel() > 0 and norm_weight is not None and grad_outs[0] is not None
-    return (qg.new_empty(qg.shape) if qg_needs else empty,
-            [v.new_empty(v.shape) if need else empty for v, need in zip(sources, sources_need)],
-            qg.new_empty(norm_weight.shape) if weight_needs else empty)
+    return (qg.new_empty(qg.shape if qg_needs else 0),
+            [v.new_empty(v.shape if need else 0) for v, need in zip(sources, sources_need)],
+            qg.new_empty(norm_weight.shape if weight_needs else 0))
 
 
 def _attend_setup(ctx, inputs, output):
@@ -593,17 +595,16 @@ def merge_op(o1: Tensor, lse1: Tensor, partial: Tensor, qg: Tensor, norm_weight:
     out, saved = merge_forward(o1.contiguous(), lse1.contiguous(), partial.contiguous(), qg.contiguous(),
                                None if norm_weight is None else norm_weight.contiguous(), heads=heads, eps=eps,
                                score=score, key_norm=key_norm, norm_eps=norm_eps, keep=True)
-    empty = out.new_empty(0)
-    h, s2, w, r, rr = (empty if t is None else t for t in saved)
-    return out, empty if norm_eps is None else h, s2, w, r, rr
+    h, s2, w, r, rr = (_or_empty(t, out) for t in saved)
+    return out, out.new_empty(0) if norm_eps is None else h, s2, w, r, rr
 
 
 @merge_op.register_fake
 def _(o1, lse1, partial, qg, norm_weight, norm_eps, heads, eps, score, key_norm):
-    lead, empty = partial.shape[:-1], partial.new_empty(0)
-    return (partial.new_empty(partial.shape), empty if norm_eps is None else partial.new_empty(partial.shape),
+    lead, norm = partial.shape[:-1], norm_eps is not None
+    return (partial.new_empty(partial.shape), partial.new_empty(partial.shape if norm else 0),
             partial.new_empty((*lead, heads)), partial.new_empty((*lead, heads)),
-            partial.new_empty(lead) if key_norm else empty, empty if norm_eps is None else partial.new_empty(lead))
+            partial.new_empty(lead if key_norm else 0), partial.new_empty(lead if norm else 0))
 
 
 @torch.library.custom_op("attnres::cpu_merge_backward", mutates_args=())
@@ -621,20 +622,17 @@ def merge_backward_op(grad: Tensor, partial: Tensor, qg: Tensor, norm_weight: Te
                          score=score, key_norm=key_norm, norm_eps=norm_eps, o1_needs=o1_needs,
                          lse1_needs=lse1_needs, partial_needs=partial_needs, qg_needs=qg_needs,
                          weight_needs=weight_needs)
-    empty = partial.new_empty(0)
-    return tuple(empty if t is None else t for t in out)
+    return tuple(_or_empty(t, partial) for t in out)
 
 
 @merge_backward_op.register_fake
 def _(grad, partial, qg, norm_weight, h, s2, w, r, rr, norm_eps, heads, eps, score, key_norm, o1_needs,
       lse1_needs, partial_needs, qg_needs, weight_needs):
-    empty = partial.new_empty(0)
     weight_needs = weight_needs and rr.numel() > 0 and norm_weight is not None
-    return (partial.new_empty(partial.shape) if o1_needs else empty,
-            s2.new_empty(s2.shape) if lse1_needs and score == "softmax" else empty,
-            partial.new_empty(partial.shape) if partial_needs else empty,
-            qg.new_empty(qg.shape) if qg_needs else empty,
-            qg.new_empty(qg.shape) if weight_needs else empty)
+    return (partial.new_empty(partial.shape if o1_needs else 0),
+            s2.new_empty(s2.shape if lse1_needs and score == "softmax" else 0),
+            partial.new_empty(partial.shape if partial_needs else 0),
+            qg.new_empty(qg.shape if qg_needs else 0), qg.new_empty(qg.shape if weight_needs else 0))
 
 
 def _merge_setup(ctx, inputs, output):
@@ -697,7 +695,7 @@ def attend_via_ops(queries, sources, gains=None, *, heads=1, eps=1e-6, score="so
     outs, lse, _ = attend_op(fold_gain(queries, gains, dt).contiguous(), sources, inv_rms, None,
                              None if weight is None else weight.to(dt), norm_eps, heads, score, key_norm)
     if norm is not None:
-        outs[0] = outs[0].to(_out_dtype(dt, weight, norm_eps))
+        outs = (outs[0].to(_out_dtype(dt, weight, norm_eps)), *outs[1:])
     return tuple(outs), lse
 
 
