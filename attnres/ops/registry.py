@@ -69,7 +69,8 @@ class Backend:
 
     @property
     def ops(self) -> BackendOps:
-        """The backend's operations (``ops.backends.BackendOps``), its module imported on first use."""
+        """The backend's operations (``ops.backends.BackendOps``), its module imported on first
+        use."""
         return _load(self.name)
 
     def unsupported(self, score: str, key_norm: bool, per_token_query: bool) -> str | None:
@@ -185,9 +186,9 @@ def pick(name: str, request: Request) -> Backend:
     that ``torch.compile`` cannot trace runs there between graph breaks). ``auto`` takes the
     first backend in registry order whose ``auto`` devices include the request's and that can
     serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors, also while
-    ``torch.compile`` traces, else ``torch``; ``naive`` for per-token queries). It passes quietly over a
-    backend for data that is not its kind (dtype, tracing) and warns once when one it would have
-    picked cannot run (not installed or built, an option it lacks).
+    ``torch.compile`` traces, else ``torch``; ``naive`` for per-token queries). It passes
+    quietly over a backend for data that is not its kind (dtype, tracing) and warns once when one
+    it would have picked cannot run (not installed or built, an option it lacks).
     """
     if name != "auto":
         backend = get(name)

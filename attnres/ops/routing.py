@@ -3,11 +3,12 @@ once, and the two-phase Block computation (docs/METHOD.md section 3) on whicheve
 
 A stream keeps one ``RoutingMemo`` in its state: ``start`` makes it, every call takes it and
 returns the next one. It holds the operations of the backend chosen for the pass
-(``ops.backends.BackendOps``), whose methods every call runs, and what belongs to them (each completed
-source's ``prepare`` value, the open block's phase-1 results, the scores of the inference path,
-in training the ledger that forms each completed source's gradient, ``ops.source_ledger``); the
-stream never looks inside. Sites are the rows of a stream's pseudo-queries ``[M + 1, D]``
-and key-norm gains (sublayer ``i``, and ``M`` for the output routing)::
+(``ops.backends.BackendOps``), whose methods every call runs, and what belongs to them (each
+completed source's ``prepare`` value, the open block's phase-1 results, the scores of the
+inference path, in training the ledger that forms each completed source's gradient,
+``ops.source_ledger``); the stream never looks inside. Sites are the rows of a stream's
+pseudo-queries ``[M + 1, D]`` and key-norm gains (sublayer ``i``, and ``M`` for the output
+routing)::
 
     memo = router.start(e, two_phase=True)
     e, memo = router.add_source(memo, e, queries, gains, first_site=0)
@@ -51,7 +52,8 @@ class RoutingMemo(NamedTuple):
     prepared: tuple  # each completed source's ``prepare`` value (or None)
     scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
     phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
-    ledger: SourceLedger | None = None  # eager training on a backend that defers the sources' gradients
+    #: eager training on a backend that defers the sources' gradients
+    ledger: SourceLedger | None = None
     tracked: tuple = ()  # with a ledger: per completed source, (the source, the tensor its reads take)
 
 
@@ -113,7 +115,8 @@ class DepthRouter:
         prepared = ops.prepare(source, eps=self.eps, key_norm=self.key_norm)
         scores = memo.scores
         if scores is not None:
-            scores = scores + (ops.score_source(source, queries[first_site:], None if gains is None else gains[first_site:],
+            site_gains = None if gains is None else gains[first_site:]
+            scores = scores + (ops.score_source(source, queries[first_site:], site_gains,
                                                 heads=self.heads, eps=self.eps, key_norm=self.key_norm,
                                                 prepared=prepared),)
         if tokens is not None:

@@ -142,6 +142,8 @@ class KeyStatisticsOps(BackendOps):
         """The source's inverse RMS ``[...]`` (None without the key norm)."""
         return prepare(source, eps=eps, key_norm=key_norm)
 
-    def score_source(self, source, queries, gains=None, *, heads=1, eps=1e-6, key_norm=True, prepared=None):
+    def score_source(self, source, queries, gains=None, *, heads=1, eps=1e-6, key_norm=True,
+                     prepared=None):
         """The source's logits ``[..., K, H]`` for ``K`` queries (``common.score_source``)."""
-        return score_source(source, queries, gains, heads=heads, eps=eps, key_norm=key_norm, prepared=prepared)
+        return score_source(source, queries, gains, heads=heads, eps=eps, key_norm=key_norm,
+                            prepared=prepared)

@@ -46,7 +46,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..source_ledger import DeferredRead, tracked
-from .common import KeyStatisticsOps, compute_dtype, fold_gain, key_inverse_rms, split_query_grad, stack_scores
+from .common import (
+    KeyStatisticsOps,
+    compute_dtype,
+    fold_gain,
+    key_inverse_rms,
+    split_query_grad,
+    stack_scores,
+)
 from .cpu_build import load_library
 
 __all__ = ["OPS", "CpuDepthAttentionFunction", "CpuMergeFunction", "CpuOps"]
@@ -105,9 +112,9 @@ class _MergeArgs(ctypes.Structure):
 
 
 _DECODE_ARGS = [ctypes.c_int64] * 4 + [
-    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_double, ctypes.c_int32,
-    ctypes.c_void_p, ctypes.c_double, ctypes.c_int32, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
-    ctypes.c_int32]
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_double,
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_double, ctypes.c_int32, ctypes.c_void_p,
+    ctypes.c_double, ctypes.c_void_p, ctypes.c_int32]
 _decode_kernels: dict[torch.dtype, object] = {}
 
 
@@ -136,7 +143,8 @@ def _as_rows(t: Tensor, width: int) -> tuple[Tensor, int]:
 
 
 def in_dtype(sources: Sequence[Tensor], dt: torch.dtype) -> list[Tensor]:
-    """The sources in one dtype, the first one's (the kernels read them through one pointer type)."""
+    """The sources in one dtype, the first one's (the kernels read them through one pointer
+    type)."""
     return [v if v.dtype == dt else v.to(dt) for v in sources]
 
 
@@ -148,7 +156,8 @@ def _call(name: str, dtype: torch.dtype, args: ctypes.Structure) -> None:
     getattr(load_library(), f"attnres_{name}_{_suffix(dtype)}")(ctypes.byref(args))
 
 
-def _args(sources, inv_rms, qg, heads, score, key_norm, lse, logits=None) -> tuple[_DepthArgs, list]:
+def _args(sources, inv_rms, qg, heads, score, key_norm, lse, logits=None
+          ) -> tuple[_DepthArgs, list]:
     """The kernel arguments shared by forward and backward, and the tensors they point into
     (kept alive by the caller for the call's duration)."""
     D = sources[0].shape[-1]
@@ -186,11 +195,15 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
     dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
     sources, N = in_dtype(sources, dt), len(sources)
     given = logits is not None
-    logits = logits.to(dt).contiguous() if given else torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
+    if given:
+        logits = logits.to(dt).contiguous()
+    else:
+        logits = torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
     S = logits.shape[1]
     lse = torch.empty(S, *lead, heads, dtype=dt)
     outs = [torch.empty(*lead, D, dtype=dt) for _ in range(S)]
-    args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm, lse, logits)
+    args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm,
+                       lse, logits)
     args.outs = _ptrs(outs)
     args.logits_given = int(given)
     norm_rr = None
@@ -222,7 +235,8 @@ def attend_backward(grad_outs, grad_lse, qg, sources, inv_rms, lse, *, heads, sc
     ``weight_needs`` say which gradients to form. ``for_ledger``: also ``ds`` and ``g0``."""
     S, D = qg.shape
     dt, lead = sources[0].dtype, sources[0].shape[:-1]
-    weight_needs = weight_needs and norm_rr is not None and norm_weight is not None and grad_outs[0] is not None
+    weight_needs = (weight_needs and norm_rr is not None and norm_weight is not None
+                    and grad_outs[0] is not None)
     g_outs = [None if g is None else g.to(dt).contiguous() for g in grad_outs]
     threads = torch.get_num_threads()
     d_src = [torch.empty(*lead, D, dtype=dt) if need else None for need in sources_need]
@@ -240,7 +254,7 @@ def attend_backward(grad_outs, grad_lse, qg, sources, inv_rms, lse, *, heads, sc
     if for_ledger:
         ds = torch.empty(len(sources), *lse.shape, dtype=dt)
         args.ds_out = ds.data_ptr()
-        if norm_rr is not None and g_outs[0] is not None:  # the first query's gradient before its norm
+        if norm_rr is not None and g_outs[0] is not None:  # query 0's gradient before its norm
             g0 = torch.empty(*lead, D, dtype=dt)
             args.g0_out = g0.data_ptr()
     _call("depth_backward", dt, args)
@@ -252,8 +266,9 @@ def attend_backward(grad_outs, grad_lse, qg, sources, inv_rms, lse, *, heads, sc
 def _merge_args(o1, lse1, partial, qg, heads, eps, score, key_norm, weight, norm_eps) -> _MergeArgs:
     D = partial.shape[-1]
     return _MergeArgs(
-        tokens=partial.numel() // D, dim=D, heads=heads, o1=_ptr(o1), lse1=_ptr(lse1), partial=_ptr(partial),
-        qg=_ptr(qg), eps=eps, norm_w=_ptr(weight), norm_eps=0.0 if norm_eps is None else norm_eps,
+        tokens=partial.numel() // D, dim=D, heads=heads, o1=_ptr(o1), lse1=_ptr(lse1),
+        partial=_ptr(partial), qg=_ptr(qg), eps=eps, norm_w=_ptr(weight),
+        norm_eps=0.0 if norm_eps is None else norm_eps,
         key_norm=int(key_norm), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
     )
 
@@ -289,10 +304,12 @@ def merge_forward(o1, lse1, partial, qg, weight, *, heads, eps, score, key_norm,
     saved = None
     if keep:
         h = out if norm_eps is None else torch.empty(*lead, D, dtype=dt)
-        saved = MergeSaved(h, torch.empty(*lead, heads, dtype=dt), torch.empty(*lead, heads, dtype=dt),
+        saved = MergeSaved(h, torch.empty(*lead, heads, dtype=dt),
+                           torch.empty(*lead, heads, dtype=dt),
                            torch.empty(*lead, dtype=dt) if key_norm else None,
                            None if norm_eps is None else torch.empty(*lead, dtype=dt))
-        args.norm_rr, args.s2, args.w, args.r = _ptr(saved.rr), _ptr(saved.s2), _ptr(saved.w), _ptr(saved.r)
+        args.norm_rr, args.s2 = _ptr(saved.rr), _ptr(saved.s2)
+        args.w, args.r = _ptr(saved.w), _ptr(saved.r)
         args.h = saved.h.data_ptr()
     if norm_eps is None:
         args.h = out.data_ptr()
@@ -313,7 +330,8 @@ class MergeGrads(NamedTuple):
 
 
 def merge_backward(grad, partial, qg, weight, saved: MergeSaved, *, heads, eps, score, key_norm,
-                   norm_eps, o1_needs, lse1_needs, partial_needs, qg_needs, weight_needs) -> MergeGrads:
+                   norm_eps, o1_needs, lse1_needs, partial_needs, qg_needs,
+                   weight_needs) -> MergeGrads:
     """The backward kernel of ``merge_forward`` from ``grad`` ``[..., D]`` (dL/d its output)."""
     dt, lead, D = partial.dtype, partial.shape[:-1], partial.shape[-1]
     threads = torch.get_num_threads()
@@ -349,8 +367,9 @@ def source_grad_kernel(source, inv_rms, queries, lse, ds, grads, grad, *, heads,
     grad_in = None if grad is None else grad.to(dt).contiguous()
     out = torch.empty(source.shape, dtype=dt)
     args = _SourceGradArgs(
-        tokens=out.numel() // D, dim=D, heads=heads, n_reads=len(queries), src=v.data_ptr(), src_stride=v_stride,
-        rinv=_ptr(rinv), rinv_stride=rinv_stride, n_q=_strides([q.shape[0] for q in queries]),
+        tokens=out.numel() // D, dim=D, heads=heads, n_reads=len(queries), src=v.data_ptr(),
+        src_stride=v_stride, rinv=_ptr(rinv), rinv_stride=rinv_stride,
+        n_q=_strides([q.shape[0] for q in queries]),
         qg=_ptrs(queries), lse=_ptrs(lse), ds=_ptrs(ds), g=_ptrs(grads), grad_in=_ptr(grad_in),
         d_src=out.data_ptr(), sigmoid=int(score != "softmax"), threads=torch.get_num_threads(),
     )
@@ -369,7 +388,8 @@ def _decode_kernel(dtype: torch.dtype):
     return fn
 
 
-def decode_kernel(sources, count, query, *, heads, eps, score, key_norm, base, gate, norm_weight, norm_eps):
+def decode_kernel(sources, count, query, *, heads, eps, score, key_norm, base, gate, norm_weight,
+                  norm_eps):
     """The decode read's kernel on checked inputs (``CpuOps.decode_read``); ``norm_eps`` None:
     no norm."""
     dt = sources.dtype
@@ -382,9 +402,11 @@ def decode_kernel(sources, count, query, *, heads, eps, score, key_norm, base, g
     weight = norm_weight
     if weight is not None and weight.dtype != dt:
         weight = weight.to(dt)
-    _decode_kernel(dt)(tokens, D, heads, count, sources.data_ptr(), tokens * D, query.data_ptr(), int(key_norm),
-                       eps, int(score != "softmax"), _ptr(base), float(gate), int(norm_eps is not None),
-                       _ptr(weight), 0.0 if norm_eps is None else norm_eps, out.data_ptr(), torch.get_num_threads())
+    _decode_kernel(dt)(tokens, D, heads, count, sources.data_ptr(), tokens * D, query.data_ptr(),
+                       int(key_norm), eps, int(score != "softmax"), _ptr(base), float(gate),
+                       int(norm_eps is not None), _ptr(weight),
+                       0.0 if norm_eps is None else norm_eps, out.data_ptr(),
+                       torch.get_num_threads())
     return out
 
 
@@ -412,19 +434,20 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         dt = given[0].dtype
         ctx.source_dtypes = [v.dtype for v in given]
         sources = in_dtype(given, dt)
-        inv_rms = [key_inverse_rms(v, r, options.eps) for v, r in zip(sources, prepared)] if options.key_norm else []
+        heads, eps, score, key_norm, norm_eps = options
+        inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, prepared) if key_norm]
         qg = fold_gain(queries, gains, dt).contiguous()
-        norm = None if options.norm_eps is None else (norm_weight, options.norm_eps)
-        outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, options.heads, options.score, options.key_norm,
-                                            norm)
+        norm = None if norm_eps is None else (norm_weight, norm_eps)
+        outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm)
         # the logits are not kept: backward computes them again, token by token
         ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, *inv_rms, *sources)
         ctx.options = options
         # the sources whose gradient a ledger forms: tracked by one whose reads compute as this one
-        keys = dict(heads=options.heads, eps=options.eps, score=options.score, key_norm=options.key_norm)
-        ctx.tracked = [None if t is None or not t[0].takes(keys, dt) else t for t in map(tracked, given)]
+        keys = dict(heads=heads, eps=eps, score=score, key_norm=key_norm)
+        ctx.tracked = [None if t is None or not t[0].takes(keys, dt) else t
+                       for t in map(tracked, given)]
         ctx.set_materialize_grads(False)
-        if options.score != "softmax":
+        if score != "softmax":
             ctx.mark_non_differentiable(lse)
         return (*outs, lse)
 
@@ -451,7 +474,8 @@ def _depth_backward(ctx, may_defer, *grads):
     qg = fold_gain(queries, gains, dt).contiguous()
     out = attend_backward(
         g_outs, grads[S], qg, sources, inv_rms, lse, heads=options.heads, score=options.score,
-        key_norm=options.key_norm, norm_weight=norm_weight, norm_rr=norm_rr, norm_eps=options.norm_eps,
+        key_norm=options.key_norm, norm_weight=norm_weight, norm_rr=norm_rr,
+        norm_eps=options.norm_eps,
         sources_need=[need and not d for need, d in zip(sources_need, defer)],
         qg_needs=queries_need or (gains is not None and gains_need), weight_needs=weight_need,
         for_ledger=any(defer))
@@ -476,9 +500,7 @@ class CpuMergeFunction(torch.autograd.Function):
     def forward(ctx, o1, lse1, partial, query, gain, norm_weight, options: ReadOptions):
         partial_dtype = partial.dtype
         o1c, lse1c, partial, qg, weight = _merge_inputs(o1, lse1, partial, query, gain, norm_weight)
-        out, saved = merge_forward(o1c, lse1c, partial, qg, weight, heads=options.heads, eps=options.eps,
-                                   score=options.score, key_norm=options.key_norm, norm_eps=options.norm_eps,
-                                   keep=True)
+        out, saved = merge_forward(o1c, lse1c, partial, qg, weight, keep=True, **options._asdict())
         ctx.save_for_backward(partial, query, gain, norm_weight, *saved)
         ctx.options, ctx.dtypes = options, (o1.dtype, lse1.dtype, partial_dtype)
         return out.to(_out_dtype(partial_dtype, norm_weight, options.norm_eps))
@@ -488,21 +510,24 @@ class CpuMergeFunction(torch.autograd.Function):
     def backward(ctx, g):
         partial, query, gain, norm_weight, *saved = ctx.saved_tensors
         options, (o1_dtype, lse1_dtype, partial_dtype) = ctx.options, ctx.dtypes
-        o1_need, lse1_need, partial_need, query_need, gain_need, weight_need, _ = ctx.needs_input_grad
+        o1_need, lse1_need, partial_need, query_need, gain_need, weight_need, _ = \
+            ctx.needs_input_grad
         dt = partial.dtype
         qg = fold_gain(query, gain, dt).contiguous()
         weight = None if norm_weight is None else norm_weight.to(dt).contiguous()
-        out = merge_backward(g, partial, qg, weight, MergeSaved(*saved), heads=options.heads, eps=options.eps,
-                             score=options.score, key_norm=options.key_norm, norm_eps=options.norm_eps,
-                             o1_needs=o1_need, lse1_needs=lse1_need, partial_needs=partial_need,
-                             qg_needs=query_need or (gain is not None and gain_need), weight_needs=weight_need)
+        out = merge_backward(g, partial, qg, weight, MergeSaved(*saved), o1_needs=o1_need,
+                             lse1_needs=lse1_need, partial_needs=partial_need,
+                             qg_needs=query_need or (gain is not None and gain_need),
+                             weight_needs=weight_need, **options._asdict())
         d_query = d_gain = None
         if out.d_qg is not None:
-            d_query, d_gain = split_query_grad(out.d_qg[None], query[None], gain, query_need, gain_need)
+            d_query, d_gain = split_query_grad(out.d_qg[None], query[None], gain, query_need,
+                                               gain_need)
             d_query = None if d_query is None else d_query[0]
             d_gain = None if d_gain is None else d_gain[0]
-        return (_cast(out.d_o1, o1_dtype), _cast(out.d_lse1, lse1_dtype), _cast(out.d_partial, partial_dtype),
-                d_query, d_gain, _cast(out.d_weight, None if norm_weight is None else norm_weight.dtype), None)
+        d_weight = None if norm_weight is None else _cast(out.d_weight, norm_weight.dtype)
+        return (_cast(out.d_o1, o1_dtype), _cast(out.d_lse1, lse1_dtype),
+                _cast(out.d_partial, partial_dtype), d_query, d_gain, d_weight, None)
 
 
 def _cast(t: Tensor | None, dtype) -> Tensor | None:
@@ -522,13 +547,14 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("attnres::cpu_attend", mutates_args=())
-def attend_op(qg: Tensor | None, sources: list[Tensor], inv_rms: list[Tensor], logits: Tensor | None,
-              norm_weight: Tensor | None, norm_eps: float | None, heads: int, score: str, key_norm: bool
-              ) -> tuple[list[Tensor], Tensor, Tensor]:
+def attend_op(qg: Tensor | None, sources: list[Tensor], inv_rms: list[Tensor],
+              logits: Tensor | None, norm_weight: Tensor | None, norm_eps: float | None, heads: int,
+              score: str, key_norm: bool) -> tuple[list[Tensor], Tensor, Tensor]:
     """``mix_forward`` as an op: ``(outs, lse, norm_rr)``, ``norm_rr`` ``[..., 1]`` with the
     fused norm (``norm_eps`` set) and empty without. Every tensor in the sources' dtype."""
     norm = None if norm_eps is None else (norm_weight, norm_eps)
-    outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm, logits=logits)
+    outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm,
+                                        logits=logits)
     return list(outs), lse, lse.new_empty(0) if norm_rr is None else norm_rr
 
 
@@ -541,22 +567,25 @@ def _(qg, sources, inv_rms, logits, norm_weight, norm_eps, heads, score, key_nor
 
 
 @torch.library.custom_op("attnres::cpu_attend_backward", mutates_args=())
-def attend_backward_op(grad_outs: list[Tensor | None], grad_lse: Tensor | None, qg: Tensor, sources: list[Tensor],
-                       inv_rms: list[Tensor], lse: Tensor, norm_weight: Tensor | None, norm_rr: Tensor,
-                       norm_eps: float | None, heads: int, score: str, key_norm: bool, sources_need: list[bool],
+def attend_backward_op(grad_outs: list[Tensor | None], grad_lse: Tensor | None, qg: Tensor,
+                       sources: list[Tensor], inv_rms: list[Tensor], lse: Tensor,
+                       norm_weight: Tensor | None, norm_rr: Tensor, norm_eps: float | None,
+                       heads: int, score: str, key_norm: bool, sources_need: list[bool],
                        qg_needs: bool, weight_needs: bool) -> tuple[Tensor, list[Tensor], Tensor]:
     """``attend_backward`` as an op: ``(d_qg, d_sources, d_weight)``, empty where not needed."""
     out = attend_backward(grad_outs, grad_lse, qg, sources, inv_rms, lse, heads=heads, score=score,
-                          key_norm=key_norm, norm_weight=norm_weight, norm_rr=_none_if_empty(norm_rr),
-                          norm_eps=norm_eps, sources_need=sources_need, qg_needs=qg_needs,
-                          weight_needs=weight_needs)
-    return (_or_empty(out.d_qg, qg), [_or_empty(d, qg) for d in out.d_sources], _or_empty(out.d_weight, qg))
+                          key_norm=key_norm, norm_weight=norm_weight,
+                          norm_rr=_none_if_empty(norm_rr), norm_eps=norm_eps,
+                          sources_need=sources_need, qg_needs=qg_needs, weight_needs=weight_needs)
+    return (_or_empty(out.d_qg, qg), [_or_empty(d, qg) for d in out.d_sources],
+            _or_empty(out.d_weight, qg))
 
 
 @attend_backward_op.register_fake
-def _(grad_outs, grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr, norm_eps, heads, score, key_norm,
-      sources_need, qg_needs, weight_needs):
-    weight_needs = weight_needs and norm_rr.numel() > 0 and norm_weight is not None and grad_outs[0] is not None
+def _(grad_outs, grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr, norm_eps, heads, score,
+      key_norm, sources_need, qg_needs, weight_needs):
+    weight_needs = (weight_needs and norm_rr.numel() > 0 and norm_weight is not None
+                    and grad_outs[0] is not None)
     return (qg.new_empty(qg.shape if qg_needs else 0),
             [v.new_empty(v.shape if need else 0) for v, need in zip(sources, sources_need)],
             qg.new_empty(norm_weight.shape if weight_needs else 0))
@@ -578,7 +607,8 @@ def _attend_grads(ctx, grad_outs, grad_lse, _):
         grad_lse = None
     d_qg, d_sources, d_weight = attend_backward_op(
         list(grad_outs), grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr,
-        sources_need=list(sources_need), qg_needs=qg_needs, weight_needs=weight_needs, **ctx.options)
+        sources_need=list(sources_need), qg_needs=qg_needs, weight_needs=weight_needs,
+        **ctx.options)
     return (_none_if_empty(d_qg), [d if need else None for d, need in zip(d_sources, sources_need)],
             [None] * len(inv_rms_need), None, _none_if_empty(d_weight), None, None, None, None)
 
@@ -592,9 +622,10 @@ def merge_op(o1: Tensor, lse1: Tensor, partial: Tensor, qg: Tensor, norm_weight:
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``merge_forward`` as an op on inputs of one dtype: ``(out, h, s2, w, r, rr)``, ``h``
     empty when it is ``out`` (no norm), ``r`` and ``rr`` empty where ``MergeSaved`` has None."""
-    out, saved = merge_forward(o1.contiguous(), lse1.contiguous(), partial.contiguous(), qg.contiguous(),
-                               None if norm_weight is None else norm_weight.contiguous(), heads=heads, eps=eps,
-                               score=score, key_norm=key_norm, norm_eps=norm_eps, keep=True)
+    weight = None if norm_weight is None else norm_weight.contiguous()
+    out, saved = merge_forward(o1.contiguous(), lse1.contiguous(), partial.contiguous(),
+                               qg.contiguous(), weight, heads=heads, eps=eps, score=score,
+                               key_norm=key_norm, norm_eps=norm_eps, keep=True)
     h, s2, w, r, rr = (_or_empty(t, out) for t in saved)
     return out, out.new_empty(0) if norm_eps is None else h, s2, w, r, rr
 
@@ -608,31 +639,34 @@ def _(o1, lse1, partial, qg, norm_weight, norm_eps, heads, eps, score, key_norm)
 
 
 @torch.library.custom_op("attnres::cpu_merge_backward", mutates_args=())
-def merge_backward_op(grad: Tensor, partial: Tensor, qg: Tensor, norm_weight: Tensor | None, h: Tensor,
-                      s2: Tensor, w: Tensor, r: Tensor, rr: Tensor, norm_eps: float | None, heads: int,
-                      eps: float, score: str, key_norm: bool, o1_needs: bool, lse1_needs: bool,
+def merge_backward_op(grad: Tensor, partial: Tensor, qg: Tensor, norm_weight: Tensor | None,
+                      h: Tensor, s2: Tensor, w: Tensor, r: Tensor, rr: Tensor,
+                      norm_eps: float | None, heads: int, eps: float, score: str, key_norm: bool,
+                      o1_needs: bool, lse1_needs: bool,
                       partial_needs: bool, qg_needs: bool, weight_needs: bool
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``merge_backward`` as an op: ``(d_o1, d_lse1, d_partial, d_qg, d_weight)``, empty where
     not needed; ``h``, ``s2``, ``w``, ``r``, ``rr`` as ``merge_op`` returned them (``h`` the
     output when it returned it empty)."""
     saved = MergeSaved(h, s2, w, _none_if_empty(r), _none_if_empty(rr))
-    out = merge_backward(grad, partial.contiguous(), qg.contiguous(),
-                         None if norm_weight is None else norm_weight.contiguous(), saved, heads=heads, eps=eps,
-                         score=score, key_norm=key_norm, norm_eps=norm_eps, o1_needs=o1_needs,
+    weight = None if norm_weight is None else norm_weight.contiguous()
+    out = merge_backward(grad, partial.contiguous(), qg.contiguous(), weight, saved, heads=heads,
+                         eps=eps, score=score, key_norm=key_norm, norm_eps=norm_eps,
+                         o1_needs=o1_needs,
                          lse1_needs=lse1_needs, partial_needs=partial_needs, qg_needs=qg_needs,
                          weight_needs=weight_needs)
     return tuple(_or_empty(t, partial) for t in out)
 
 
 @merge_backward_op.register_fake
-def _(grad, partial, qg, norm_weight, h, s2, w, r, rr, norm_eps, heads, eps, score, key_norm, o1_needs,
-      lse1_needs, partial_needs, qg_needs, weight_needs):
+def _(grad, partial, qg, norm_weight, h, s2, w, r, rr, norm_eps, heads, eps, score, key_norm,
+      o1_needs, lse1_needs, partial_needs, qg_needs, weight_needs):
     weight_needs = weight_needs and rr.numel() > 0 and norm_weight is not None
     return (partial.new_empty(partial.shape if o1_needs else 0),
             s2.new_empty(s2.shape if lse1_needs and score == "softmax" else 0),
             partial.new_empty(partial.shape if partial_needs else 0),
-            qg.new_empty(qg.shape if qg_needs else 0), qg.new_empty(qg.shape if weight_needs else 0))
+            qg.new_empty(qg.shape if qg_needs else 0),
+            qg.new_empty(qg.shape if weight_needs else 0))
 
 
 def _merge_setup(ctx, inputs, output):
@@ -655,12 +689,12 @@ merge_op.register_autograd(_merge_grads, setup_context=_merge_setup)
 
 
 @torch.library.custom_op("attnres::cpu_source_grad", mutates_args=())
-def source_grad_op(source: Tensor, inv_rms: Tensor | None, queries: list[Tensor], lse: list[Tensor],
-                   ds: list[Tensor], grads: list[Tensor | None], grad: Tensor | None, heads: int, score: str,
-                   key_norm: bool) -> Tensor:
+def source_grad_op(source: Tensor, inv_rms: Tensor | None, queries: list[Tensor],
+                   lse: list[Tensor], ds: list[Tensor], grads: list[Tensor | None],
+                   grad: Tensor | None, heads: int, score: str, key_norm: bool) -> Tensor:
     """``source_grad_kernel`` as an op (not differentiable)."""
-    return source_grad_kernel(source, inv_rms, queries, lse, ds, grads, grad, heads=heads, score=score,
-                              key_norm=key_norm)
+    return source_grad_kernel(source, inv_rms, queries, lse, ds, grads, grad, heads=heads,
+                              score=score, key_norm=key_norm)
 
 
 @source_grad_op.register_fake
@@ -673,8 +707,9 @@ def decode_read_op(sources: Tensor, count: int, query: Tensor, heads: int, eps: 
                    key_norm: bool, base: Tensor | None, gate: float, norm_weight: Tensor | None,
                    norm_eps: float | None) -> Tensor:
     """``decode_kernel`` as an op (autograd off)."""
-    return decode_kernel(sources, count, query, heads=heads, eps=eps, score=score, key_norm=key_norm, base=base,
-                         gate=gate, norm_weight=norm_weight, norm_eps=norm_eps)
+    return decode_kernel(sources, count, query, heads=heads, eps=eps, score=score,
+                         key_norm=key_norm, base=base, gate=gate, norm_weight=norm_weight,
+                         norm_eps=norm_eps)
 
 
 @decode_read_op.register_fake
@@ -682,8 +717,8 @@ def _(sources, count, query, heads, eps, score, key_norm, base, gate, norm_weigh
     return sources.new_empty(sources.shape[1:])
 
 
-def attend_via_ops(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
-                   prepared=None):
+def attend_via_ops(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+                   key_norm=True, norm=None, prepared=None):
     """``CpuOps.attend`` through ``attnres::cpu_attend``, what a compiled graph runs: the gain
     folded into the queries, the dtypes converted and the keys' inverse RMS computed around the
     op, by autograd and the compiler (the same numbers as the eager path). No ledger."""
@@ -693,20 +728,22 @@ def attend_via_ops(queries, sources, gains=None, *, heads=1, eps=1e-6, score="so
     inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, cached)] if key_norm else []
     weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
     outs, lse, _ = attend_op(fold_gain(queries, gains, dt).contiguous(), sources, inv_rms, None,
-                             None if weight is None else weight.to(dt), norm_eps, heads, score, key_norm)
+                             None if weight is None else weight.to(dt), norm_eps, heads, score,
+                             key_norm)
     if norm is not None:
         outs = (outs[0].to(_out_dtype(dt, weight, norm_eps)), *outs[1:])
     return tuple(outs), lse
 
 
-def merge_via_ops(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
-                  norm=None):
+def merge_via_ops(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+                  key_norm=True, norm=None):
     """``CpuOps.merge`` through ``attnres::cpu_merge``, what a compiled graph runs (the inputs
     converted to the kernels' dtype around the op, by autograd and the compiler)."""
     dt = compute_dtype(partial.dtype)
     weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
     out = merge_op(o1.to(dt), lse.to(dt), partial.to(dt), fold_gain(query, gain, dt),
-                   None if weight is None else weight.to(dt), norm_eps, heads, eps, score, key_norm)[0]
+                   None if weight is None else weight.to(dt), norm_eps, heads, eps, score,
+                   key_norm)[0]
     return out.to(_out_dtype(partial.dtype, weight, norm_eps))
 
 
@@ -726,23 +763,24 @@ class CpuOps(KeyStatisticsOps):
 
     name = "cpu"
 
-    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
-               norm=None, prepared=None):
+    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+               key_norm=True, norm=None, prepared=None):
         """The ``torch`` backend's ``attend`` on the kernels: the same arguments and results (the
         first output through a norm with a gain in the dtype ``rms_norm`` promotes to)."""
         if torch.compiler.is_compiling():
-            return attend_via_ops(queries, sources, gains, heads=heads, eps=eps, score=score, key_norm=key_norm,
-                                  norm=norm, prepared=prepared)
+            return attend_via_ops(queries, sources, gains, heads=heads, eps=eps, score=score,
+                                  key_norm=key_norm, norm=norm, prepared=prepared)
         cached = _prepared(prepared, len(sources), key_norm)
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
-        *outs, lse = CpuDepthAttentionFunction.apply(queries, gains, weight, ReadOptions(heads, eps, score, key_norm,
-                                                                                         norm_eps), cached, *sources)
+        options = ReadOptions(heads, eps, score, key_norm, norm_eps)
+        *outs, lse = CpuDepthAttentionFunction.apply(queries, gains, weight, options, cached,
+                                                     *sources)
         if norm is not None:
             outs[0] = outs[0].to(_out_dtype(outs[0].dtype, weight, norm_eps))
         return tuple(outs), lse
 
-    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
-              norm=None):
+    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+              key_norm=True, norm=None):
         """The ``torch`` backend's ``merge`` on the kernels: ``h`` ``[..., D]``, or
         ``rms_norm(h, norm.weight, norm.eps)``. Without autograd nothing is kept, and with the norm
         ``h`` is never written to memory."""
@@ -767,11 +805,12 @@ class CpuOps(KeyStatisticsOps):
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
         if torch.compiler.is_compiling():
             dt = sources[0].dtype
-            outs, lse, _ = attend_op(None, in_dtype(sources, dt), [], logits.to(dt), weight, norm_eps,
-                                     logits.shape[-1], score, False)
+            outs, lse, _ = attend_op(None, in_dtype(sources, dt), [], logits.to(dt), weight,
+                                     norm_eps, logits.shape[-1], score, False)
             return tuple(outs), lse
         norm = None if norm is None else (weight, norm_eps)
-        outs, lse, _, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm, logits=logits)
+        outs, lse, _, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm,
+                                      logits=logits)
         return outs, lse
 
     def source_grad(self, source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax",
@@ -787,33 +826,36 @@ class CpuOps(KeyStatisticsOps):
         out = call(source, inv_rms, *records, grad, heads=heads, score=score, key_norm=key_norm)
         return out.to(source.dtype)
 
-    def decode_read(self, sources, count, query, *, heads=1, eps=1e-6, score="softmax", key_norm=True, base=None,
-                    gate=0.0, norm=None):
+    def decode_read(self, sources, count, query, *, heads=1, eps=1e-6, score="softmax",
+                    key_norm=True, base=None, gate=0.0, norm=None):
         """One read of a decode pass in one kernel call (the naive backend's ``decode_read``: the
-        same arguments and result), with autograd off: nothing here is differentiable. ``sources``
-        must be contiguous; ``query``, ``base`` and the norm's gain are read in the sources' dtype."""
+        same arguments and result), with autograd off: nothing here is differentiable.
+        ``sources`` must be contiguous; ``query``, ``base`` and the norm's gain are read in the
+        sources' dtype."""
         _check_decode(sources, count, query, heads, base, norm)
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
         call = decode_read_op if torch.compiler.is_compiling() else decode_kernel
-        return call(sources, count, query, heads=heads, eps=eps, score=score, key_norm=key_norm, base=base,
-                    gate=gate, norm_weight=weight, norm_eps=norm_eps)
+        return call(sources, count, query, heads=heads, eps=eps, score=score, key_norm=key_norm,
+                    base=base, gate=gate, norm_weight=weight, norm_eps=norm_eps)
 
 
 def _check_decode(sources, count, query, heads, base, norm) -> None:
     """``ValueError``/``RuntimeError`` for a decode read the kernel cannot take, before any work."""
     if torch.is_grad_enabled():
-        raise RuntimeError("decode_read is for a decode pass, with autograd off (torch.no_grad()): the kernel keeps "
-                           "nothing for a backward")
+        raise RuntimeError("decode_read is for a decode pass, with autograd off (torch.no_grad()): "
+                           "the kernel keeps nothing for a backward")
     if not sources.is_contiguous() or not 1 <= count <= sources.shape[0]:
-        raise ValueError(f"decode_read reads the first count sources of a contiguous buffer [capacity, ..., D]: given "
-                         f"count={count} of {tuple(sources.shape)}, contiguous={sources.is_contiguous()}")
+        raise ValueError(f"decode_read reads the first count sources of a contiguous buffer "
+                         f"[capacity, ..., D]: given count={count} of {tuple(sources.shape)}, "
+                         f"contiguous={sources.is_contiguous()}")
     D = sources.shape[-1]
-    if query.shape != (D,) or D % heads or (norm is not None and norm.weight is not None and norm.weight.shape != (D,)):
-        raise ValueError(f"decode_read: query {tuple(query.shape)} and the norm's gain must be [{D}], and heads={heads} "
-                         f"must divide {D}")
+    gain = None if norm is None else norm.weight
+    if query.shape != (D,) or D % heads or (gain is not None and gain.shape != (D,)):
+        raise ValueError(f"decode_read: query {tuple(query.shape)} and the norm's gain must be "
+                         f"[{D}], and heads={heads} must divide {D}")
     if base is not None and base.shape != sources.shape[1:]:
-        raise ValueError(f"decode_read: base must be one source's shape {tuple(sources.shape[1:])}, "
-                         f"given {tuple(base.shape)}")
+        raise ValueError(f"decode_read: base must be one source's shape "
+                         f"{tuple(sources.shape[1:])}, given {tuple(base.shape)}")
 
 
 OPS = CpuOps()

@@ -295,10 +295,10 @@ class TritonOps(BackendOps):
 
     name = "triton"
 
-    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
-               norm=None, prepared=None):
-        """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``, as the ``torch`` backend returns them;
-        the first output through ``norm`` when given (applied after the kernel). The kernels
+    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+               key_norm=True, norm=None, prepared=None):
+        """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``, as the ``torch`` backend returns
+        them; the first output through ``norm`` when given (applied after the kernel). The kernels
         normalize the keys themselves: ``prepared`` is not used. The method only (softmax over
         RMS-normalized keys): the registry refuses the ablations before a call gets here."""
         lead, D, dt = sources[0].shape[:-1], sources[0].shape[-1], sources[0].dtype
@@ -308,8 +308,8 @@ class TritonOps(BackendOps):
         outs = out.view(queries.shape[0], *lead, D).unbind(0)
         return (_normed(outs[0], norm), *outs[1:]), lse.view(queries.shape[0], *lead, heads)
 
-    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True,
-              norm=None):
+    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+              key_norm=True, norm=None):
         """Phase 2, as the ``torch`` backend's ``merge``; ``norm`` applied after the kernel."""
         lead, D = partial.shape[:-1], partial.shape[-1]
         h = merge_fwd(o1.reshape(-1, D).contiguous(), lse.reshape(-1, heads).contiguous(),
