@@ -3,10 +3,12 @@
 - ``depth_attention``: one read over depth, on the backend ``pick`` chooses;
   ``depth_attention_naive`` is the reference it is tested against.
 - ``DepthRouter`` / ``RoutingMemo``: how a stream routes (``ops.routing``).
-- ``BACKENDS``, ``backend``, ``pick``: the registry of backends (``ops.registry``).
+- ``BACKENDS``, ``backend``, ``pick``: the registry of backends (``ops.registry``), each one's
+  operations a ``BackendOps``.
 - ``RMSNorm``, ``rms_norm``, ``rms``, ``sinkhorn``: the other math of the streams.
 """
 
+from .backends import BackendOps
 from .backends.naive import depth_attention_naive
 from .depth_attention import check_depth_inputs, depth_attention
 from .registry import BACKENDS, NAMES, SCORES, Backend, Request, get, pick
@@ -15,9 +17,9 @@ from .routing import DepthRouter, RoutingMemo
 from .sinkhorn import sinkhorn
 
 
-def backend(name: str):
-    """The module of backend ``name`` (``attend``, ``merge``, ``prepare``; see ``ops.backends``)."""
-    return get(name).functions
+def backend(name: str) -> BackendOps:
+    """The operations of backend ``name`` (``ops.backends.BackendOps``)."""
+    return get(name).ops
 
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "NAMES",
     "SCORES",
     "Backend",
+    "BackendOps",
     "DepthRouter",
     "RMSNorm",
     "Request",

@@ -1,8 +1,8 @@
 """The routing backends by name, what each accepts, and the one choice among them (``pick``).
 
-Adding a backend is one module in ``ops/backends`` with the functions listed there and one
-``Backend`` line in ``BACKENDS`` below; the parity tests run every registered backend against
-``naive`` without a new test.
+Adding a backend is one module in ``ops/backends`` with an object implementing
+``ops.backends.BackendOps`` (its ``OPS``) and one ``Backend`` line in ``BACKENDS`` below; the
+parity tests run every registered backend against ``naive`` without a new test.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from .backends import cpu_build
+from .backends import BackendOps, cpu_build
 
 SCORES = ("softmax", "sigmoid")
 ANY_DEVICE = "any"
@@ -36,7 +35,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Backend:
-    """One routing backend: the module ``attnres.ops.backends.<name>``, and what it accepts."""
+    """One routing backend: its operations (``ops``, the object ``OPS`` of the module
+    ``attnres.ops.backends.<name>``), and what it accepts."""
 
     name: str
     #: device types ``auto`` picks it for (``ANY_DEVICE``: all), tried in registry order
@@ -51,7 +51,8 @@ class Backend:
     ablations: bool = True
     #: queries ``[..., D]`` (the input-dependent ablation) besides one query ``[D]`` per site
     per_token_query: bool = False
-    #: runs while ``torch.compile`` traces (an opaque foreign call cannot be traced)
+    #: runs while ``torch.compile`` traces (its kernels are ops the compiler can capture; an
+    #: opaque foreign call cannot be traced)
     traceable: bool = True
     #: offers ``score_source``/``attend_scored`` (inference: each source scored once)
     scores_ahead: bool = False
@@ -67,9 +68,10 @@ class Backend:
     preload: bool = True
 
     @property
-    def functions(self) -> ModuleType:
-        """The backend's module: ``attend``, ``merge``, ``prepare`` (see ``ops.backends``)."""
-        return functions(self.name)
+    def ops(self) -> BackendOps:
+        """The backend's operations (``ops.backends.BackendOps``), its module imported on first
+        use."""
+        return _load(self.name)
 
     def unsupported(self, score: str, key_norm: bool, per_token_query: bool) -> str | None:
         """Why it cannot serve these routing options on any data, or None."""
@@ -101,6 +103,28 @@ def _triton_devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
+#: each backend's operations once its module is imported: every ``preload`` one, and any other
+#: once ``pick`` chose it
+_LOADED: dict[str, BackendOps] = {}
+
+
+def _load(name: str) -> BackendOps:
+    """The operations of backend ``name``: its module's ``OPS``, the module imported on first use
+    (``pick`` imports it before a pass runs, so that no import happens while ``torch.compile``
+    traces)."""
+    ops = _LOADED.get(name)
+    if ops is None:
+        ops = _LOADED[name] = importlib.import_module(f"{__package__}.backends.{name}").OPS
+    return ops
+
+
+@torch.compiler.assume_constant_result
+def _cpu_setup() -> str | None:
+    """Why the CPU kernels cannot run here (``cpu_build.build_problem``). While ``torch.compile``
+    traces, it runs outside the graph and its answer is a constant of the graph."""
+    return cpu_build.build_problem()
+
+
 @functools.cache
 def _triton_setup() -> str | None:
     try:
@@ -115,8 +139,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("triton", auto=("cuda",), devices=_triton_devices, device_note=" (or on the CPU under TRITON_INTERPRET=1)",
             dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
             preload=False),
-    Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64), traceable=False,
-            scores_ahead=True, decodes=True, defers_source_grads=True, setup=cpu_build.build_problem),
+    Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64),
+            scores_ahead=True, decodes=True, defers_source_grads=True, setup=_cpu_setup),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
     Backend("naive", per_token_query=True, decodes=True),
 )}
@@ -125,21 +149,10 @@ NAMES = ("auto", *BACKENDS)
 #: the backend that serves every request: the reference
 REFERENCE = "naive"
 
-#: the imported backend modules by name: every ``preload`` one, and any other once ``pick`` chose it
-MODULES: dict[str, ModuleType] = {}
 _warned: set[str] = set()
-
-
-def functions(name: str) -> ModuleType:
-    """The module of backend ``name``, imported on first use (``MODULES``)."""
-    if name not in MODULES:
-        MODULES[name] = importlib.import_module(f"{__package__}.backends.{name}")
-    return MODULES[name]
-
-
 for _backend in BACKENDS.values():
     if _backend.preload:
-        functions(_backend.name)
+        _load(_backend.name)
 
 
 def get(name: str) -> Backend:
@@ -172,17 +185,17 @@ def pick(name: str, request: Request) -> Backend:
     An explicit ``name`` is that backend, or ``RuntimeError`` saying why it cannot serve (one
     that ``torch.compile`` cannot trace runs there between graph breaks). ``auto`` takes the
     first backend in registry order whose ``auto`` devices include the request's and that can
-    serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors outside
-    ``torch.compile``, else ``torch``; ``naive`` for per-token queries). It passes quietly over a
-    backend for data that is not its kind (dtype, tracing) and warns once when one it would have
-    picked cannot run (not installed or built, an option it lacks).
+    serve it (Triton on CUDA, the CPU kernels for fp32/fp64 CPU tensors, also while
+    ``torch.compile`` traces, else ``torch``; ``naive`` for per-token queries). It passes
+    quietly over a backend for data that is not its kind (dtype, tracing) and warns once when one
+    it would have picked cannot run (not installed or built, an option it lacks).
     """
     if name != "auto":
         backend = get(name)
         problem = backend.problem(request)
         if problem:
             raise RuntimeError(f"backend={name!r} cannot run: {problem}")
-        functions(name)  # imported before a pass reads MODULES
+        backend.ops  # noqa: B018  (imported before a pass runs)
         return backend
     passed_over = None
     for backend in BACKENDS.values():
@@ -199,5 +212,5 @@ def pick(name: str, request: Request) -> Backend:
     if passed_over:
         warn_once(f"depth attention: using the {backend.name} backend on {request.device.upper()} "
                   f"because {passed_over[0]} cannot run: {passed_over[1]}")
-    functions(backend.name)  # imported before a pass reads MODULES
+    backend.ops  # noqa: B018  (imported before a pass runs)
     return backend

@@ -2,11 +2,13 @@
 once, and the two-phase Block computation (docs/METHOD.md section 3) on whichever backend runs.
 
 A stream keeps one ``RoutingMemo`` in its state: ``start`` makes it, every call takes it and
-returns the next one. What it holds belongs to the backend chosen for the pass (each completed
-source's ``prepare`` value, the open block's phase-1 results, the scores of the inference path,
-in training the ledger that forms each completed source's gradient, ``ops.source_ledger``); the
-stream never looks inside. Sites are the rows of a stream's pseudo-queries ``[M + 1, D]``
-and key-norm gains (sublayer ``i``, and ``M`` for the output routing)::
+returns the next one. It holds the operations of the backend chosen for the pass
+(``ops.backends.BackendOps``), whose methods every call runs, and what belongs to them (each
+completed source's ``prepare`` value, the open block's phase-1 results, the scores of the
+inference path, in training the ledger that forms each completed source's gradient,
+``ops.source_ledger``); the stream never looks inside. Sites are the rows of a stream's
+pseudo-queries ``[M + 1, D]`` and key-norm gains (sublayer ``i``, and ``M`` for the output
+routing)::
 
     memo = router.start(e, two_phase=True)
     e, memo = router.add_source(memo, e, queries, gains, first_site=0)
@@ -27,8 +29,9 @@ from typing import NamedTuple
 
 import torch
 
+from .backends import BackendOps
 from .backends.naive import depth_attention_naive
-from .registry import MODULES, Request, pick, validate
+from .registry import Request, pick, validate
 from .source_ledger import SourceLedger
 
 
@@ -45,11 +48,12 @@ class PhaseOne(NamedTuple):
 class RoutingMemo(NamedTuple):
     """What the chosen backend keeps between the calls of one forward pass."""
 
-    backend: str  # the backend chosen for this pass
+    backend: BackendOps  # the operations of the backend chosen for this pass
     prepared: tuple  # each completed source's ``prepare`` value (or None)
     scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
     phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
-    ledger: SourceLedger | None = None  # training on a backend that defers the sources' gradients
+    #: eager training on a backend that defers the sources' gradients
+    ledger: SourceLedger | None = None
     tracked: tuple = ()  # with a ledger: per completed source, (the source, the tensor its reads take)
 
 
@@ -67,7 +71,8 @@ class DepthRouter:
         defer_source_grads: on a backend that ``defers_source_grads``, form each completed
             source's gradient once, at its own backward (``ops.source_ledger``), instead of
             accumulating one term per read; ``False`` accumulates (the same gradients, summed
-            in another order).
+            in another order). Not while ``torch.compile`` traces: a ledger follows tensors by
+            identity, which a traced graph does not keep; there the gradients accumulate.
     """
 
     def __init__(self, *, heads: int = 1, eps: float = 1e-6, score: str = "softmax", key_norm: bool = True,
@@ -86,18 +91,19 @@ class DepthRouter:
                                              self.per_token_query))
         scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
         ledger = None
-        if backend.defers_source_grads and self.defer_source_grads and torch.is_grad_enabled():
-            ledger = SourceLedger(MODULES[backend.name].source_grad, self.options, like.dtype)
-        return RoutingMemo(backend.name, (), () if scoring else None, None, ledger)
+        if (backend.defers_source_grads and self.defer_source_grads and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            ledger = SourceLedger(backend.ops.source_grad, self.options, like.dtype)
+        return RoutingMemo(backend.ops, (), () if scoring else None, None, ledger)
 
-    def decode_backend(self, like: torch.Tensor):
-        """The backend module that runs a decode pass over sources like ``like`` (``decode_read``),
+    def decode_backend(self, like: torch.Tensor) -> BackendOps | None:
+        """The backend that runs a decode pass over sources like ``like`` (``decode_read``),
         or None: a decode pass runs with autograd off and static queries on a backend that
         ``decodes`` (the one ``start`` would pick)."""
         if torch.is_grad_enabled() or self.per_token_query:
             return None
         backend = pick(self.backend, Request(like.device.type, like.dtype, self.score, self.key_norm, False))
-        return MODULES[backend.name] if backend.decodes else None
+        return backend.ops if backend.decodes else None
 
     def add_source(self, memo: RoutingMemo, source: torch.Tensor, queries: torch.Tensor,
                    gains: torch.Tensor | None, first_site: int, tokens: torch.Size | None = None):
@@ -105,11 +111,12 @@ class DepthRouter:
         read of it, and on the inference path scored against every site from ``first_site`` on.
         ``tokens``: for a source ``[D]`` shared by every token (Delta's null), the token shape it
         stands for; it is prepared and scored once, then expanded. The open block is closed."""
-        fns = MODULES[memo.backend]
-        prepared = fns.prepare(source, eps=self.eps, key_norm=self.key_norm)
+        ops = memo.backend
+        prepared = ops.prepare(source, eps=self.eps, key_norm=self.key_norm)
         scores = memo.scores
         if scores is not None:
-            scores = scores + (fns.score_source(source, queries[first_site:], None if gains is None else gains[first_site:],
+            site_gains = None if gains is None else gains[first_site:]
+            scores = scores + (ops.score_source(source, queries[first_site:], site_gains,
                                                 heads=self.heads, eps=self.eps, key_norm=self.key_norm,
                                                 prepared=prepared),)
         if tokens is not None:
@@ -126,15 +133,15 @@ class DepthRouter:
         """Phase 1 of the block of sites ``first .. last - 1``: their queries against the
         completed ``sources`` (all of them added with ``add_source``), the first through ``norm``
         (that site's pre-norm, or None)."""
-        fns = MODULES[memo.backend]
+        ops = memo.backend
         if memo.scores is not None:
             # each source's scores run from the first site that reads it to the last row of
             # ``queries``, so this block's sites are the same rows counted from the end
             end = queries.shape[0]
             rows = [s[..., first - end:last - end or None, :] for s in memo.scores]
-            outs, lse = fns.attend_scored(rows, list(sources), score=self.score, norm=norm)
+            outs, lse = ops.attend_scored(rows, list(sources), score=self.score, norm=norm)
         else:
-            outs, lse = fns.attend(queries[first:last], _read_sources(memo, sources),
+            outs, lse = ops.attend(queries[first:last], _read_sources(memo, sources),
                                    None if gains is None else gains[first:last], norm=norm, prepared=memo.prepared,
                                    **self.options)
         return memo._replace(phase_one=PhaseOne(outs, lse, first))
@@ -148,7 +155,7 @@ class DepthRouter:
         o1 = ph.outs[site - ph.first_site]
         if partial is None:  # the block's first read: phase 1 alone, normalized there
             return o1
-        return MODULES[memo.backend].merge(
+        return memo.backend.merge(
             o1, ph.lse[site - ph.first_site], partial, queries[site], None if gains is None else gains[site],
             norm=norm, **self.options)
 
@@ -159,7 +166,7 @@ class DepthRouter:
         ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` (the read's pre-norm,
         fused where the backend can) when given."""
         prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
-        outs, _ = MODULES[memo.backend].attend(
+        outs, _ = memo.backend.attend(
             query[None], _read_sources(memo, sources), None if gain is None else gain[None], norm=norm,
             prepared=prepared, **self.options)
         return outs[0]

@@ -31,6 +31,10 @@ stream's state keeps the sources themselves (``ops.routing`` hands the reads the
 tensors), so a hook or ``autograd.grad`` on a state's tensor sees the whole gradient. A backward
 that builds a graph (``create_graph=True``) does not defer: the kernels' backward is not itself
 differentiable, which it then says when differentiated, as without a ledger.
+
+Nor does a pass that ``torch.compile`` traces have a ledger (``DepthRouter.start`` makes none):
+a record finds its source by tensor identity and autograd node, which fake tensors and a
+compiled graph do not keep; there the sources' gradients accumulate as autograd sums them.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def current_backward() -> int:
 
 class SourceLedger:
     """The deferred reads of one forward pass's completed sources, by backward call and source
-    index (the order ``track`` saw them). ``source_grad``: the backend's function that forms a
-    source's gradient from its reads (``backends.cpu.source_grad``); ``options``: the routing's
+    index (the order ``track`` saw them). ``source_grad``: the backend's method that forms a
+    source's gradient from its reads (``CpuOps.source_grad``); ``options``: the routing's
     ``heads``, ``eps``, ``score`` and ``key_norm``, which a read must share to defer;
     ``dtype``: the dtype the reads compute in, which a tracked source must have."""
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
+from . import BackendOps
+
 #: up to this many query-head rows, logits come from one block-diagonal matrix (the fast thin
 #: GEMM there); beyond, per head without the H-fold zeros (timings: docs/BENCHMARKS.md, "Tuning")
 BLOCK_DIAGONAL_ROWS = 16
@@ -130,3 +132,18 @@ def apply_depth_function(function, queries, sources, gains, heads, eps, score, k
     norm_weight, norm_eps = (norm.weight, norm.eps) if norm is not None else (None, None)
     *outs, lse = function.apply(queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached)
     return tuple(outs), lse
+
+
+class KeyStatisticsOps(BackendOps):
+    """What the ``torch`` and ``cpu`` backends share: a source prepared as its inverse RMS, and
+    on the inference path scored once against every later site."""
+
+    def prepare(self, source, *, eps=1e-6, key_norm=True):
+        """The source's inverse RMS ``[...]`` (None without the key norm)."""
+        return prepare(source, eps=eps, key_norm=key_norm)
+
+    def score_source(self, source, queries, gains=None, *, heads=1, eps=1e-6, key_norm=True,
+                     prepared=None):
+        """The source's logits ``[..., K, H]`` for ``K`` queries (``common.score_source``)."""
+        return score_source(source, queries, gains, heads=heads, eps=eps, key_norm=key_norm,
+                            prepared=prepared)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..rmsnorm import rms_norm
+from . import BackendOps
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,82 +73,92 @@ def _normed(x: torch.Tensor, norm) -> torch.Tensor:
     return x if norm is None else rms_norm(x, norm.weight, norm.eps)
 
 
-def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
-           prepared=None):
-    """``S`` queries ``[S, D]`` (or per token ``[S, ..., D]``) against ``sources``:
-    ``(outs, lse)``, one ``[..., D]`` per query and the log-sum-exp of each query's logits
-    ``[S, ..., H]`` (zeros for the sigmoid score). ``norm`` (``weight``, ``eps``): the first
-    output through ``rms_norm``. ``prepared`` is not used (nothing is cached)."""
-    outs, lses = [], []
-    for s in range(queries.shape[0]):
-        out, _, logits = _route(queries[s], sources, None if gains is None else gains[s], heads, eps, score, key_norm)
-        outs.append(out)
-        lses.append(torch.logsumexp(logits, 0) if score == "softmax" else torch.zeros_like(logits[0]))
-    outs[0] = _normed(outs[0], norm)
-    return tuple(outs), torch.stack(lses)
+class NaiveOps(BackendOps):
+    """The reference backend's operations (``ops.backends.BackendOps``)."""
+
+    name = "naive"
+
+    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+               key_norm=True, norm=None, prepared=None):
+        """``S`` queries ``[S, D]`` (or per token ``[S, ..., D]``) against ``sources``:
+        ``(outs, lse)``, one ``[..., D]`` per query and the log-sum-exp of each query's logits
+        ``[S, ..., H]`` (zeros for the sigmoid score). ``norm`` (``weight``, ``eps``): the first
+        output through ``rms_norm``. ``prepared`` is not used (nothing is cached)."""
+        outs, lses = [], []
+        for s in range(queries.shape[0]):
+            gain = None if gains is None else gains[s]
+            out, _, logits = _route(queries[s], sources, gain, heads, eps, score, key_norm)
+            outs.append(out)
+            softmax = score == "softmax"
+            lses.append(torch.logsumexp(logits, 0) if softmax else torch.zeros_like(logits[0]))
+        outs[0] = _normed(outs[0], norm)
+        return tuple(outs), torch.stack(lses)
+
+    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+              key_norm=True, norm=None):
+        """Phase 2 of the two-phase Block computation as docs/METHOD.md section 3 writes it: the
+        partial source's logit ``s2`` per head, then ``h = (a o1 + b P) / (a + b)`` with
+        ``a = exp(lse - m)``, ``b = exp(s2 - m)``, ``m = max(lse, s2)``; with the sigmoid score the
+        plain sum ``o1 + sigmoid(s2) P``. Returns ``h`` ``[..., D]`` (partial's dtype), through
+        ``norm`` when given."""
+        s2, _ = depth_logits(query, [partial], gain, heads=heads, eps=eps, key_norm=key_norm)
+        s2 = s2[0].unsqueeze(-1)  # [..., H, 1]
+        o1h, ph = (t.to(s2.dtype).unflatten(-1, (heads, -1)) for t in (o1, partial))
+        if score == "softmax":
+            lse = lse.to(s2.dtype).unsqueeze(-1)
+            m = torch.maximum(lse, s2)
+            a, b = (lse - m).exp(), (s2 - m).exp()
+            h = (a * o1h + b * ph) / (a + b)
+        else:
+            h = o1h + torch.sigmoid(s2) * ph
+        return _normed(h.flatten(-2).to(partial.dtype), norm)
+
+    def prepare(self, source, *, eps=1e-6, key_norm=True):
+        """Nothing: every read normalizes its sources itself."""
+        return None
+
+    def decode_read(self, sources, count, query, *, heads=1, eps=1e-6, score="softmax",
+                    key_norm=True, base=None, gate=0.0, norm=None):
+        """One read of a decode pass (autograd off, one position per sequence): ``sources``
+        ``[capacity, ..., D]`` holds the pass's sources one after another, and the first ``count``
+        are read (the open block's partial sum last, when there is one). ``query`` ``[D]``: the
+        site's pseudo-query with its key-norm gain folded in (``query * gain``). Returns
+        ``sum_j alpha_j v_j`` ``[..., D]``, or ``base + gate * sum_j alpha_j v_j`` (Delta: ``base``
+        ``[..., D]``, ``gate`` a number), through ``norm`` (``weight``, ``eps``) when given."""
+        mixed = depth_attention_naive(query, list(sources[:count]), None, heads=heads, eps=eps,
+                                      score=score, key_norm=key_norm)
+        if base is not None:
+            mixed = base + gate * mixed
+        return _normed(mixed, norm)
+
+    def source_grad(self, source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax",
+                    key_norm=True):
+        """A source's gradient from the reads that deferred it (``ops.source_ledger``; the twin of
+        the ``cpu`` backend's ``source_grad``), by autograd: each read ``s`` of ``reads`` (a list of
+        ``DeferredRead``) adds the gradient of ``sum(ds * logit(v)) + sum(p * (g . v))`` per head,
+        the logits recomputed from the source ``v`` (its key norm included), the weights ``p``
+        (from those logits and the read's ``lse``) and ``ds = dL/d logit`` held fixed; plus ``grad``
+        when given. ``inv_rms`` is not read: the key norm is recomputed with ``eps``. Returns
+        ``[..., D]`` in the source's dtype."""
+        dt = reads[0].queries.dtype
+        with torch.enable_grad():
+            v = source.detach().to(dt).requires_grad_()
+            keys = (rms_norm(v, eps=eps) if key_norm else v).unflatten(-1, (heads, -1))  # [..H, Dh]
+            values = v.unflatten(-1, (heads, -1))
+            total = v.new_zeros(())
+            for read in reads:
+                for s, g in enumerate(read.grads):
+                    logit = (keys * read.queries[s].unflatten(-1, (heads, -1))).sum(-1)  # [..., H]
+                    total = total + (read.ds[s] * logit).sum()
+                    if g is not None:
+                        softmax = score == "softmax"
+                        p = (logit - read.lse[s]).exp() if softmax else torch.sigmoid(logit)
+                        gh = g.to(dt).unflatten(-1, (heads, -1))
+                        total = total + (p.detach().unsqueeze(-1) * gh * values).sum()
+            dv, = torch.autograd.grad(total, v)
+        if grad is not None:
+            dv = dv + grad.to(dt)
+        return dv.to(source.dtype)
 
 
-def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
-    """Phase 2 of the two-phase Block computation as docs/METHOD.md section 3 writes it: the partial
-    source's logit ``s2`` per head, then ``h = (a o1 + b P) / (a + b)`` with
-    ``a = exp(lse - m)``, ``b = exp(s2 - m)``, ``m = max(lse, s2)``; with the sigmoid score the
-    plain sum ``o1 + sigmoid(s2) P``. Returns ``h`` ``[..., D]`` (partial's dtype), through
-    ``norm`` when given."""
-    s2, _ = depth_logits(query, [partial], gain, heads=heads, eps=eps, key_norm=key_norm)
-    s2 = s2[0].unsqueeze(-1)  # [..., H, 1]
-    o1h, ph = (t.to(s2.dtype).unflatten(-1, (heads, -1)) for t in (o1, partial))
-    if score == "softmax":
-        lse = lse.to(s2.dtype).unsqueeze(-1)
-        m = torch.maximum(lse, s2)
-        a, b = (lse - m).exp(), (s2 - m).exp()
-        h = (a * o1h + b * ph) / (a + b)
-    else:
-        h = o1h + torch.sigmoid(s2) * ph
-    return _normed(h.flatten(-2).to(partial.dtype), norm)
-
-
-def source_grad(source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True):
-    """A source's gradient from the reads that deferred it (``ops.source_ledger``; the twin of
-    the ``cpu`` backend's ``source_grad``), by autograd: each read ``s`` of ``reads`` (a list of
-    ``DeferredRead``) adds the gradient of ``sum(ds * logit(v)) + sum(p * (g . v))`` per head,
-    the logits recomputed from the source ``v`` (its key norm included), the weights ``p``
-    (from those logits and the read's ``lse``) and ``ds = dL/d logit`` held fixed; plus ``grad``
-    when given. ``inv_rms`` is not read: the key norm is recomputed with ``eps``. Returns
-    ``[..., D]`` in the source's dtype."""
-    dt = reads[0].queries.dtype
-    with torch.enable_grad():
-        v = source.detach().to(dt).requires_grad_()
-        keys = (rms_norm(v, eps=eps) if key_norm else v).unflatten(-1, (heads, -1))  # [..., H, Dh]
-        values = v.unflatten(-1, (heads, -1))
-        total = v.new_zeros(())
-        for read in reads:
-            for s, g in enumerate(read.grads):
-                logit = (keys * read.queries[s].unflatten(-1, (heads, -1))).sum(-1)  # [..., H]
-                total = total + (read.ds[s] * logit).sum()
-                if g is not None:
-                    p = (torch.sigmoid(logit) if score != "softmax" else (logit - read.lse[s]).exp()).detach()
-                    total = total + (p.unsqueeze(-1) * g.to(dt).unflatten(-1, (heads, -1)) * values).sum()
-        dv, = torch.autograd.grad(total, v)
-    if grad is not None:
-        dv = dv + grad.to(dt)
-    return dv.to(source.dtype)
-
-
-def prepare(source, *, eps=1e-6, key_norm=True):
-    """Nothing: every read normalizes its sources itself."""
-    return None
-
-
-def decode_read(sources, count, query, *, heads=1, eps=1e-6, score="softmax", key_norm=True, base=None, gate=0.0,
-                norm=None):
-    """One read of a decode pass (autograd off, one position per sequence): ``sources``
-    ``[capacity, ..., D]`` holds the pass's sources one after another, and the first ``count``
-    are read (the open block's partial sum last, when there is one). ``query`` ``[D]``: the
-    site's pseudo-query with its key-norm gain folded in (``query * gain``). Returns
-    ``sum_j alpha_j v_j`` ``[..., D]``, or ``base + gate * sum_j alpha_j v_j`` (Delta: ``base``
-    ``[..., D]``, ``gate`` a number), through ``norm`` (``weight``, ``eps``) when given."""
-    mixed = depth_attention_naive(query, list(sources[:count]), None, heads=heads, eps=eps, score=score,
-                                  key_norm=key_norm)
-    if base is not None:
-        mixed = base + gate * mixed
-    return _normed(mixed, norm)
+OPS = NaiveOps()

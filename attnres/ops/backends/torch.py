@@ -45,20 +45,19 @@ import torch
 
 from ..rmsnorm import rms_norm_backward, rms_norm_forward
 from .common import (
+    KeyStatisticsOps,
     apply_depth_function,
     compute_dtype,
     fold_gain,
     inverse_rms,
     key_inverse_rms,
-    prepare,
-    score_source,
     scoring_weights,
     source_logits,
     split_query_grad,
     stack_scores,
 )
 
-__all__ = ["attend", "attend_scored", "merge", "prepare", "score_source"]
+__all__ = ["OPS", "DepthAttentionFunction", "MergeFunction", "TorchOps"]
 
 #: at most this many tokens (decoding), the inference path's weighted sums run over stacked
 #: sources: a few ops instead of one per source and query, whose dispatch is then the whole cost
@@ -349,39 +348,49 @@ class MergeFunction(torch.autograd.Function):
         return (*_cast(grads, dtypes), d_weight, None, None, None, None, None)
 
 
-# -- the backend interface (ops.backends) --------------------------------------------------------
 
-def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
-           prepared=None):
-    """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, ``outs`` one ``[..., D]``
-    per query, ``lse`` ``[S, ..., H]`` (zeros for the sigmoid score), what the merge needs.
-    ``prepared``: each source's inverse RMS (entries may be None; those are computed here).
-    ``norm`` (``weight``, ``eps``): the first output through ``rms_norm`` (the pre-norm of the
-    sublayer that reads it), fused so that nothing of it is kept for backward. Gradients flow to
-    queries, gains and sources (None where not required, so frozen parameters cost nothing)."""
-    return apply_depth_function(DepthAttentionFunction, queries, sources, gains, heads, eps, score, key_norm,
-                                prepared, norm)
+class TorchOps(KeyStatisticsOps):
+    """The ``torch`` backend's operations (``ops.backends.BackendOps``)."""
+
+    name = "torch"
+
+    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+               key_norm=True, norm=None, prepared=None):
+        """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, ``outs`` one ``[..., D]``
+        per query, ``lse`` ``[S, ..., H]`` (zeros for the sigmoid score), what the merge needs.
+        ``prepared``: each source's inverse RMS (entries may be None; those are computed here).
+        ``norm`` (``weight``, ``eps``): the first output through ``rms_norm`` (the pre-norm of the
+        sublayer that reads it), fused so that nothing of it is kept for backward. Gradients flow to
+        queries, gains and sources (None where not required, so frozen parameters cost nothing)."""
+        return apply_depth_function(DepthAttentionFunction, queries, sources, gains, heads, eps,
+                                    score, key_norm, prepared, norm)
+
+    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+              key_norm=True, norm=None):
+        """Merge the partial source into phase 1's result: ``h`` ``[..., D]`` in ``partial``'s
+        dtype, through ``norm`` when given. Shapes: ``o1`` ``[..., D]``, ``lse`` ``[..., H]``,
+        ``partial`` ``[..., D]``, ``query`` and ``gain`` ``[D]``. With the sigmoid score the weights
+        are not normalized, so the merge is the plain sum ``o1 + sigmoid(s2) P``."""
+        if not torch.is_grad_enabled():  # inference: no autograd node, nothing kept
+            h = _merge_forward(o1, lse, partial, query, gain, heads, eps, score, key_norm)[0]
+            if norm is None:
+                return h
+            return rms_norm_forward(h, norm.weight, norm.eps, in_place=True)[0]
+        norm_weight, norm_eps = (norm.weight, norm.eps) if norm is not None else (None, None)
+        return MergeFunction.apply(o1, lse, partial, query, gain, norm_weight, heads, eps, norm_eps,
+                                   score, key_norm)
+
+    @torch.no_grad()
+    def attend_scored(self, scores, sources, *, score="softmax", norm=None):
+        """``attend``'s ``(outs, lse)`` from precomputed logits (inference): ``scores[j]``
+        ``[..., S, H]`` holds source ``j``'s logits for the ``S`` queries (``score_source``)."""
+        logits = stack_scores(scores, sources)  # [N, S, ..., H]
+        lead, D, H = sources[0].shape[:-1], sources[0].shape[-1], logits.shape[-1]
+        outs, lse = mix_logits(logits, sources, score, lead, H, D // H,
+                               stacked=lead.numel() <= FEW_TOKENS)
+        if norm is not None:  # outs[0] is a fresh sum: normalized in place
+            outs = (rms_norm_forward(outs[0], norm.weight, norm.eps, in_place=True)[0], *outs[1:])
+        return outs, lse
 
 
-def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
-    """Merge the partial source into phase 1's result: ``h`` ``[..., D]`` in ``partial``'s
-    dtype, through ``norm`` when given. Shapes: ``o1`` ``[..., D]``, ``lse`` ``[..., H]``,
-    ``partial`` ``[..., D]``, ``query`` and ``gain`` ``[D]``. With the sigmoid score the weights
-    are not normalized, so the merge is the plain sum ``o1 + sigmoid(s2) P``."""
-    if not torch.is_grad_enabled():  # inference: no autograd node, nothing kept
-        h = _merge_forward(o1, lse, partial, query, gain, heads, eps, score, key_norm)[0]
-        return h if norm is None else rms_norm_forward(h, norm.weight, norm.eps, in_place=True)[0]
-    norm_weight, norm_eps = (norm.weight, norm.eps) if norm is not None else (None, None)
-    return MergeFunction.apply(o1, lse, partial, query, gain, norm_weight, heads, eps, norm_eps, score, key_norm)
-
-
-@torch.no_grad()
-def attend_scored(scores, sources, *, score="softmax", norm=None):
-    """``attend``'s ``(outs, lse)`` from precomputed logits (inference): ``scores[j]``
-    ``[..., S, H]`` holds source ``j``'s logits for the ``S`` queries (``score_source``)."""
-    logits = stack_scores(scores, sources)  # [N, S, ..., H]
-    lead, D, H = sources[0].shape[:-1], sources[0].shape[-1], logits.shape[-1]
-    outs, lse = mix_logits(logits, sources, score, lead, H, D // H, stacked=lead.numel() <= FEW_TOKENS)
-    if norm is not None:
-        outs = (rms_norm_forward(outs[0], norm.weight, norm.eps, in_place=True)[0], *outs[1:])  # a fresh sum
-    return outs, lse
+OPS = TorchOps()

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..rmsnorm import RMSNormFunction
+from . import BackendOps
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -281,8 +282,6 @@ def _merge_backward(ctx, g):
 merge_fwd.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 
-# -- the backend interface (ops.backends) --------------------------------------------------------
-
 def _fold(query, gain):
     return query if gain is None else query * gain
 
@@ -291,28 +290,35 @@ def _normed(x, norm):
     return x if norm is None else RMSNormFunction.apply(x, norm.weight, norm.eps)
 
 
-def attend(queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None,
-           prepared=None):
-    """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``, as the ``torch`` backend returns them;
-    the first output through ``norm`` when given (applied after the kernel). The kernels
-    normalize the keys themselves: ``prepared`` is not used. The method only (softmax over
-    RMS-normalized keys): the registry refuses the ablations before a call gets here."""
-    lead, D, dt = sources[0].shape[:-1], sources[0].shape[-1], sources[0].dtype
-    # the kernel reads every source through the first one's pointer type
-    flat = [s.to(dt).reshape(-1, D).contiguous() for s in sources]
-    out, lse = depth_attention_fwd(_fold(queries, gains).float(), flat, heads, eps)
-    outs = out.view(queries.shape[0], *lead, D).unbind(0)
-    return (_normed(outs[0], norm), *outs[1:]), lse.view(queries.shape[0], *lead, heads)
+class TritonOps(BackendOps):
+    """The ``triton`` backend's operations (``ops.backends.BackendOps``)."""
+
+    name = "triton"
+
+    def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
+               key_norm=True, norm=None, prepared=None):
+        """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``, as the ``torch`` backend returns
+        them; the first output through ``norm`` when given (applied after the kernel). The kernels
+        normalize the keys themselves: ``prepared`` is not used. The method only (softmax over
+        RMS-normalized keys): the registry refuses the ablations before a call gets here."""
+        lead, D, dt = sources[0].shape[:-1], sources[0].shape[-1], sources[0].dtype
+        # the kernel reads every source through the first one's pointer type
+        flat = [s.to(dt).reshape(-1, D).contiguous() for s in sources]
+        out, lse = depth_attention_fwd(_fold(queries, gains).float(), flat, heads, eps)
+        outs = out.view(queries.shape[0], *lead, D).unbind(0)
+        return (_normed(outs[0], norm), *outs[1:]), lse.view(queries.shape[0], *lead, heads)
+
+    def merge(self, o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax",
+              key_norm=True, norm=None):
+        """Phase 2, as the ``torch`` backend's ``merge``; ``norm`` applied after the kernel."""
+        lead, D = partial.shape[:-1], partial.shape[-1]
+        h = merge_fwd(o1.reshape(-1, D).contiguous(), lse.reshape(-1, heads).contiguous(),
+                      partial.reshape(-1, D).contiguous(), _fold(query, gain).float(), heads, eps)
+        return _normed(h.view(*lead, D), norm)
+
+    def prepare(self, source, *, eps=1e-6, key_norm=True):
+        """Nothing: the kernels normalize each source as they read it."""
+        return None
 
 
-def merge(o1, lse, partial, query, gain=None, *, heads=1, eps=1e-6, score="softmax", key_norm=True, norm=None):
-    """Phase 2, as the ``torch`` backend's ``merge``; ``norm`` applied after the kernel."""
-    lead, D = partial.shape[:-1], partial.shape[-1]
-    h = merge_fwd(o1.reshape(-1, D).contiguous(), lse.reshape(-1, heads).contiguous(),
-                  partial.reshape(-1, D).contiguous(), _fold(query, gain).float(), heads, eps)
-    return _normed(h.view(*lead, D), norm)
-
-
-def prepare(source, *, eps=1e-6, key_norm=True):
-    """Nothing: the kernels normalize each source as they read it."""
-    return None
+OPS = TritonOps()
