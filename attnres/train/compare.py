@@ -14,6 +14,7 @@ from ..model import ModelConfig
 from ..streams import MODEL_OPTIONS, STREAMS
 from .config import COMPARISON_PRESETS, TrainConfig, parse_value
 from .data import batch_at, load_corpus
+from .lock import FolderLock
 from .trainer import EVAL_SEED, train
 
 # label -> model options; "n_kv_heads" stands for the model's number of KV heads
@@ -133,10 +134,11 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
             name = label if len(seeds) == 1 else f"{label}-seed{seed}"
             cfg = dataclasses.replace(base, model=configs[label], run=dataclasses.replace(base.run, seed=seed))
             log(f"[{time.time() - start:5.0f}s] training {name} ({cfg.run.steps} steps)")
-            result = train(cfg, root / name, corpus=corpus)
-            x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
-            analysis = capture_analysis(result.model, x)
-            (root / name / "analysis.json").write_text(json.dumps(analysis))
+            with FolderLock(root / name):  # one writer: the design's run, then its analysis
+                result = train(cfg, root / name, corpus=corpus)
+                x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
+                analysis = capture_analysis(result.model, x)
+                (root / name / "analysis.json").write_text(json.dumps(analysis))
             log(f"[{time.time() - start:5.0f}s] {name}: validation loss {result.summary['final_val_loss']:.4f}")
             index["runs"].append({"design": label, "seed": seed, "dir": name,
                                   "options": options[label]})
