@@ -122,7 +122,8 @@ def check_state(state, path: Path) -> None:
     optim = state["optimizer"]
     if not isinstance(optim.get("state"), dict) or not isinstance(optim.get("param_groups"), list):
         raise CheckpointError(f"{where}: the optimizer's state lacks 'state' or 'param_groups'")
-    if state["step"] < 0 or state["rng"].dtype != torch.uint8:
+    rng = state["rng"]
+    if state["step"] < 0 or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
         raise CheckpointError(f"{where}: step {state['step']} or the RNG state ({state['rng'].dtype}) is not "
                               f"one a run saves")
     for key in ("grad_norm_sums", "grad_norm_count"):

@@ -112,11 +112,11 @@ def truncate_log(path: Path, step: int) -> None:
     A row cut short by a crash is dropped too. The file is replaced atomically."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()  # a garbled row is dropped
     kept = []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
+            if "\ufffd" not in line and json.loads(line)["step"] <= step:
                 kept.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
