@@ -62,7 +62,8 @@ def one_line_error(proc, code=2):
 
 @pytest.mark.parametrize("bad,message", [
     (["--data", "/nonexistent/typo.txt"], "data path /nonexistent/typo.txt does not exist"),
-    (["--set", "run.seq_len=60000", "--set", "model.max_seq_len=60000"], r"shorter than one sequence of run.seq_len=60000"),
+    (["--set", "run.seq_len=60000", "--set", "model.max_seq_len=60000"],
+     r"shorter than one sequence of run.seq_len=60000"),
     (["--set", "model.dim=65536", "--set", "model.n_heads=64", "--set", "model.n_layers=64"],
      r"needs about .* GiB per process .* is available \(MemAvailable"),
     (["--set", "run.device=meta"], r"run.device='meta' is not a device training runs on"),
@@ -95,7 +96,8 @@ def test_a_refused_run_leaves_no_files_and_overwrite_keeps_the_lock(tmp_path, da
     assert cli_in_process("train", *common(data), "--run-dir", fresh).returncode == 0
     run = copy_run(finished, tmp_path)
     (run / ".lock").write_text("")
-    assert cli_in_process("train", *common(data, "--set", "optim.lr=0.01"), "--run-dir", run, "--overwrite").returncode == 0
+    proc = cli_in_process("train", *common(data, "--set", "optim.lr=0.01"), "--run-dir", run, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
     assert (run / ".lock").read_text().split()[0] == str(os.getpid())  # written by this (in-process) job
 
 
@@ -250,7 +252,8 @@ CORRUPTIONS = {  # name: (file, corruption, command, what the line says)
                        r"checkpoints/latest names 'step-9', not a checkpoint folder"),
     "latest-outside": ("checkpoints/latest", lambda p: p.write_text("../../outside"), "resume",
                        r"checkpoints/latest names '../../outside'"),
-    "metrics-link-outside": ("metrics.jsonl", _link_outside, "resume", r"metrics.jsonl -> .* leads out of the run folder"),
+    "metrics-link-outside": ("metrics.jsonl", _link_outside, "resume",
+                             r"metrics.jsonl -> .* leads out of the run folder"),
     "checkpoint-link-outside": (CKPT, _link_outside, "generate", r"step-0000002 -> .* leads out of the run folder"),
 }
 
@@ -302,7 +305,8 @@ def test_convert_checks_the_source_config(tmp_path):
     good = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
     for content, message in [({k: v for k, v in good.items() if k != "hidden_size"}, "lacks hidden_size"),
                              ({**good, "num_hidden_layers": "2"}, "num_hidden_layers='2' must be a positive integer"),
-                             ([good], "holds list, not a model config"), ({**good, "model_type": "gpt2"}, "model_type='gpt2'")]:
+                             ([good], "holds list, not a model config"),
+                             ({**good, "model_type": "gpt2"}, "model_type='gpt2'")]:
         (src / "config.json").write_text(json.dumps(content))
         err = _capture(main, ["convert", str(src), str(tmp_path / "dst"), "--heads", "4", "--block-layers", "1"])
         assert err.startswith("attnres convert: error: ") and message in err and str(src) in err, err

@@ -35,7 +35,8 @@ def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{model_dir} holds no tokenizer that loads ({str(exc).strip().splitlines()[0][:200]})") from None
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{model_dir} holds no tokenizer that loads ({reason})") from None
     if len(tokenizer) > vocab:  # a token id past the embedding would index out of it
         raise ValueError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens, more than the model's vocabulary "
                          f"(vocab_size={vocab} in config.json): save the model's own tokenizer with it")

@@ -1,7 +1,8 @@
 """A run's folder: what a run writes there, the refusal to start over a run it holds, and the
 metrics log (JSONL on the main rank, mirrored to TensorBoard when it is installed).
 
-A run folder holds ``.lock`` (``train/lock.py``: one writer at a time), ``config.json`` (the run's settings), ``metrics.jsonl`` (one row per logged
+A run folder holds ``.lock`` (``train/lock.py``: one writer at a time), ``config.json`` (the
+run's settings), ``metrics.jsonl`` (one row per logged
 step and evaluation), ``checkpoints/`` (``train/checkpoint.py``), ``tensorboard/`` and, once the
 run ends, ``summary.json``; a BPE run also caches its tokenizer there.
 """
