@@ -293,21 +293,31 @@ def to_dict(config: TrainConfig) -> dict:
 
 
 def from_dict(d: dict) -> TrainConfig:
-    """Rebuild a config saved with ``to_dict``: every section an object, every field of its
-    type (a field missing reads as its default), every check of ``validate``; else
-    ``ValueError`` naming what is wrong."""
-    if not isinstance(d, dict) or "model" not in d:
+    """Rebuild a config saved with ``to_dict``; unknown keys are an error."""
+    try:
+        return TrainConfig(
+            model=ModelConfig(**d["model"]),
+            data=DataConfig(**d["data"]),
+            optim=OptimConfig(**d["optim"]),
+            run=RunConfig(**d["run"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a valid attnres training config: {exc}") from None
+
+
+def load_saved(d) -> TrainConfig:
+    """A config read from a run's ``config.json``: every section an object, every field of its
+    type (``check_types``), rebuilt (``from_dict``) and checked (``validate``); ``ValueError``
+    naming what is wrong."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("model", "data", "optim", "run")):
         raise ValueError("not a valid attnres training config: expected an object with the sections "
                          "model, data, optim and run")
-    classes = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
-    sections = {}
     try:
-        for name, cls in classes.items():
-            values = d.get(name, {})
-            check_types(cls, values, name)
-            sections[name] = cls(**values)
-        config = TrainConfig(**sections)
+        for name, cls in {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}.items():
+            check_types(cls, d[name], name)
+        config = from_dict(d)
         config.validate()
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"not a valid attnres training config: {exc}") from None
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if text.startswith("not a valid") else f"not a valid attnres training config: {text}") from None
     return config

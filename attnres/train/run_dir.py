@@ -85,7 +85,7 @@ def load_run_config(run_dir: Path):
     """The ``TrainConfig`` a run saved in ``run_dir/config.json``, read only inside the folder
     (``check_inside``); ``ValueError`` naming the file and what is wrong with it."""
     from ..files import read_json
-    from .config import from_dict
+    from .config import load_saved
 
     run_dir = Path(run_dir)
     path = run_dir / "config.json"
@@ -93,7 +93,7 @@ def load_run_config(run_dir: Path):
         raise ValueError(f"{run_dir} is not a training run: config.json is missing")
     check_inside(run_dir)
     try:
-        return from_dict(read_json(path))
+        return load_saved(read_json(path))
     except ValueError as exc:
         text = str(exc)
         raise ValueError(text if str(path) in text else f"{path}: {text}") from None
