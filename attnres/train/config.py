@@ -234,17 +234,12 @@ def _model_with(model: ModelConfig, changes: dict) -> ModelConfig:
 
 def apply_overrides(config: TrainConfig, assignments) -> TrainConfig:
     """Apply ``section.field=value`` overrides together: each parsed, then every section built
-    and checked once with all of its changes, so the order of the assignments never matters.
-    A field given twice with different values is refused. Returns a new config."""
+    and checked once with all of its changes, so the order of the assignments of different
+    fields never matters (a field given twice takes its last value). Returns a new config."""
     changes: dict[str, dict] = {}
-    given: dict[str, str] = {}
     for assignment in assignments:
         section, name, value = parse_assignment(config, assignment)
-        key = f"{section}.{name}"
-        if key in given and changes[section][name] != value:
-            raise ValueError(f"--set {key} is given twice ({given[key]!r} and {assignment!r}): give it once")
-        given[key] = assignment
-        changes.setdefault(section, {})[name] = value
+        changes.setdefault(section, {})[name] = value  # a field given again: the last value
     for section, fields in changes.items():
         if section == "model":  # the model's checks run on all of its new values at once
             new_section = _model_with(config.model, fields)

@@ -49,15 +49,16 @@ def check_inside(run_dir: Path) -> None:
                          f"its folder: remove the link")
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> list[str]:
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, owner: bool = True) -> list[str]:
     """Refuse, before any work, to start in a folder that another job writes (its lock's owner
     named), whose files lead out of it, or that holds a run (its config, checkpoints and log
     would be overwritten or appended to) unless ``resume`` or ``overwrite``; reads only.
     Returns the names of the run's files that ``overwrite`` will remove (``remove_run``) once
-    the new run is known to be able to start."""
+    the new run is known to be able to start. ``owner=False``: the lock is not looked at (the
+    ranks of a job but rank 0, whose lock it is)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir} is a file, not a folder")
-    who = lock.owner(run_dir) if run_dir.is_dir() else None
+    who = lock.owner(run_dir) if owner and run_dir.is_dir() else None
     if who:
         raise lock.FolderInUse(lock.in_use_message(run_dir, who))
     check_inside(run_dir)

@@ -527,7 +527,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     processes, main = dist.launched_world_size(), dist.launched_rank() == 0
     cfg.validate(processes)  # before any process waits on another
     dist.pick_device(cfg.run.device)
-    old_run = check_run_dir(run_dir, resume, overwrite)  # reads only
+    old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir) if resume else None
     locked = False
     try:
