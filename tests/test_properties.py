@@ -151,8 +151,8 @@ SETTINGS = {  # field: values drawn (good ones and bad ones)
     "model.vocab_size": ["256", "512"], "model.max_seq_len": ["16", "64", "60000"], "optim.lr": ["0.01", "nan", "-1"],
     "run.device": ["cpu", "meta", "cuda:3", "gpu"], "data.val_fraction": ["0.1", "0", "1.5"],
 }
-QUIET = ["--preset", "tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false",
-         "--set", "run.eval_batches=1", "--set", "run.eval_every=1"]
+QUIET = ["--preset", "tiny", "--set", "run.steps=1", "--set", "run.progress=false",
+         "--set", "run.tensorboard=false", "--set", "run.eval_batches=1", "--set", "run.eval_every=1"]
 
 
 def _text_file(folder):
