@@ -7,22 +7,39 @@ import json
 import sys
 from pathlib import Path
 
-from .files import read_json
 
 
-def _config_from_args(args, assignments=None):
-    """The preset with ``--data`` and the ``--set`` assignments (or ``assignments``) applied."""
-    from .train.config import apply_override, preset
+def _config_from_args(args, assignments=None, base=None):
+    """The preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
+    assignments (or ``assignments``) applied together: checked as one whole, so their order
+    never matters, and a setting that would not be applied is refused."""
+    from .train.config import apply_overrides, preset
 
-    cfg = preset(args.preset)
-    if args.data:
-        cfg = apply_override(cfg, f"data.source={args.data}")
+    cfg = base or preset(args.preset)
     if assignments is None:
         assignments = args.set or []
-    for assignment in assignments:
-        cfg = apply_override(cfg, assignment)
+    given = ([f"data.source={args.data}"] if args.data else []) + list(assignments)
+    cfg = apply_overrides(cfg, given)
+    keys = {a.partition("=")[0] for a in given}
+    source = Path(cfg.data.source).expanduser()
+    if "model.vocab_size" in keys and not (source / "train.bin").is_file():
+        raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
+                         f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
+                         f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
     cfg.validate()
     return cfg
+
+
+def _run_name(cfg) -> str:
+    """The run's folder name: ``run.name`` (or the residual kind) taken literally, then a
+    timestamp; a name that is not one folder name is refused."""
+    import time
+
+    name = cfg.run.name or cfg.model.residual
+    if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name.startswith("-"):
+        raise ValueError(f"run.name={name!r} must be one folder name: no '/', not '.' or '..', not starting "
+                         f"with '-'")
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _block_layers(text: str):
@@ -81,24 +98,22 @@ def cmd_compare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    import time
-
     from .train.trainer import train
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --run-dir and --overwrite starts it over: give one")
-    cfg = _config_from_args(args)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / time.strftime(
-        f"{cfg.run.name or cfg.model.residual}-%Y%m%d-%H%M%S")
     if args.resume:
-        saved = run_dir / "config.json"
-        if not saved.exists():
-            raise ValueError(f"--resume: {saved} does not exist")
-        from .train.config import apply_override, from_dict
+        if not args.run_dir:
+            raise ValueError("--resume continues the run in --run-dir: give its folder")
+        from .train.run_dir import load_run_config
 
-        cfg = from_dict(read_json(saved))
-        for assignment in args.set or []:  # e.g. --set run.steps=2000 to train further
-            cfg = apply_override(cfg, assignment)
+        run_dir = Path(args.run_dir)
+        # the saved settings, with --set (e.g. run.steps=2000 to train further) and --data
+        # (refused by train unless it is the run's own) applied
+        cfg = _config_from_args(args, base=load_run_config(run_dir))
+    else:
+        cfg = _config_from_args(args)
+        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / _run_name(cfg)
     result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
     from .train import distributed
 
@@ -112,16 +127,14 @@ def cmd_train(args) -> int:
 
 
 def load_run(run_dir: Path):
-    """The model of a training run folder, with its latest checkpoint's weights."""
+    """The model of a training run folder, with its latest checkpoint's weights (every file
+    checked: the config, ``latest``, the checkpoint's files against the config's model)."""
     from .model import Transformer
     from .train.checkpoint import latest_checkpoint, load_checkpoint
-    from .train.config import from_dict
+    from .train.run_dir import load_run_config
 
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.exists():
-        raise ValueError(f"{run_dir} is not a training run: config.json is missing")
-    cfg = from_dict(read_json(cfg_path))
+    cfg = load_run_config(run_dir)
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint")
@@ -260,20 +273,32 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a training's steps (those save and stop)
+        print(f"attnres {args.command}: interrupted", file=sys.stderr)
+        return 130
     except ValueError as exc:  # bad input: a clear message, not a traceback
         # every torchrun rank checks the same input and fails alike: rank 0 speaks for them
         if _rank() == 0:
             print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, MemoryError) as exc:
         from .train.checkpoint import CheckpointError
         from .train.trainer import TrainingDiverged
 
-        if isinstance(exc, RuntimeError) and not isinstance(exc, (CheckpointError, TrainingDiverged)):
+        known = (CheckpointError, TrainingDiverged, MemoryError)
+        if isinstance(exc, RuntimeError) and not isinstance(exc, known) and not _out_of_memory(exc):
             raise  # a defect, not the user's input or the machine: keep its traceback
         where = f" (rank {_rank()})" if _rank() else ""  # a fault may hit one rank only
-        print(f"attnres {args.command}: error{where}: {exc}", file=sys.stderr)
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"attnres {args.command}: error{where}: {text}", file=sys.stderr)
         return 1
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A RuntimeError that says the memory ran out (torch's on CUDA or the CPU allocator)."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _rank() -> int:

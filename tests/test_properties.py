@@ -5,7 +5,9 @@ The default profile is derandomized (the same cases at every run, for CI); set
 ``ATTNRES_HYPOTHESIS=long`` to try many more. docs/RELIABILITY.md gives the counts.
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +137,113 @@ def test_kv_cache_decoding_equals_the_full_forward_for_every_design(design, batc
         steps = [model(x[:, :prompt], cache=cache, start_pos=0)]
         steps += [model(x[:, t:t + 1], cache=cache, start_pos=t) for t in range(prompt, prompt + new)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+
+
+# -- the commands on generated settings and corrupted files (docs/RELIABILITY.md, "Run folders
+# and files"): a one-line error or success, never a traceback, never a file changed that the
+# command should not touch
+
+SETTINGS = {  # field: values drawn (good ones and bad ones)
+    "run.steps": ["1", "2", "0", "x"], "run.batch_size": ["2", "4", "3", "0"],
+    "run.seq_len": ["8", "16", "65", "60000"], "run.grad_accum": ["1", "2", "3"],
+    "model.dim": ["16", "32", "33", "48"], "model.n_heads": ["1", "2", "3"], "model.n_layers": ["1", "2", "0"],
+    "model.residual": ["prenorm", "block", "full", "mhc", "bogus"], "model.block_size": ["1", "2", "99"],
+    "model.vocab_size": ["256", "512"], "model.max_seq_len": ["16", "64", "60000"], "optim.lr": ["0.01", "nan", "-1"],
+    "run.device": ["cpu", "meta", "cuda:3", "gpu"], "data.val_fraction": ["0.1", "0", "1.5"],
+}
+QUIET = ["--preset", "tiny", "--set", "run.steps=1", "--set", "run.progress=false",
+         "--set", "run.tensorboard=false", "--set", "run.eval_batches=1", "--set", "run.eval_every=1"]
+
+
+def _text_file(folder):
+    path = Path(folder) / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(800)))
+    return path
+
+
+def _snapshot(folder):
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def _one_line_or_success(proc, command):
+    if proc.returncode == 0:
+        return True
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode in (1, 2) and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"attnres {command}: error"), proc.stderr
+    return False
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.dictionaries(st.sampled_from(sorted(SETTINGS)), st.integers(0, 4), max_size=4))
+def test_train_on_generated_settings_is_one_line_or_a_run(choice):
+    """Any draw of settings: a run, or one line and no folder left behind."""
+    import tempfile
+
+    from .conftest import cli_in_process
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _text_file(tmp)
+        args = [a for key, k in sorted(choice.items())
+                for a in ("--set", f"{key}={SETTINGS[key][k % len(SETTINGS[key])]}")]
+        run = Path(tmp) / "run"
+        proc = cli_in_process("train", *QUIET, "--data", data, *args, "--run-dir", run)
+        if _one_line_or_success(proc, "train"):
+            assert (run / "config.json").is_file() and (run / "summary.json").is_file()
+        else:
+            assert not run.exists(), sorted(p.name for p in run.iterdir())
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from .conftest import cli_in_process
+
+    folder = tmp_path_factory.mktemp("properties")
+    run = folder / "run"
+    proc = cli_in_process("train", *QUIET, "--data", _text_file(folder), "--set", "run.steps=2", "--run-dir", run)
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+RUN_FILES = ["config.json", "metrics.jsonl", "summary.json", "checkpoints/latest",
+             "checkpoints/step-0000002/state.pt", "checkpoints/step-0000002/model.safetensors"]
+
+
+def _corrupt(path, how, at, byte):
+    data = path.read_bytes()
+    cut = at % (len(data) + 1)
+    if how == "truncate":
+        path.write_bytes(data[:cut])
+    elif how == "flip" and data:
+        path.write_bytes(data[:cut % len(data)] + bytes([byte]) + data[cut % len(data) + 1:])
+    elif how == "json":
+        path.write_text(json.dumps([None, 1, "x", {}][at % 4]))
+    else:
+        path.unlink()
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(file=st.sampled_from(RUN_FILES), how=st.sampled_from(["truncate", "flip", "json", "delete"]),
+       at=st.integers(0, 2**20), byte=st.integers(0, 255), command=st.sampled_from(["generate", "resume"]))
+def test_commands_on_corrupted_run_files_are_one_line_or_run(finished_run, file, how, at, byte, command):
+    """A run's file truncated, with a byte changed, replaced by JSON of another type or deleted:
+    ``generate`` and ``train --resume`` end in one line or succeed; a refusal changes no file."""
+    import shutil
+    import tempfile
+
+    from .conftest import cli_in_process
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        shutil.copytree(finished_run, run)
+        _corrupt(run / file, how, at, byte)
+        before = _snapshot(run)
+        if command == "generate":
+            proc = cli_in_process("generate", run, "--max-new-tokens", "1")
+            _one_line_or_success(proc, "generate")
+            assert _snapshot(run) == before  # generate only reads
+        else:
+            proc = cli_in_process("train", "--run-dir", run, "--resume", "--set", "run.steps=3",
+                                  "--set", "run.progress=false")
+            if not _one_line_or_success(proc, "train"):
+                assert _snapshot(run) == before

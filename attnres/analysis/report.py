@@ -44,6 +44,16 @@ def check_report_dependencies(seeds: int) -> None:
             raise ValueError("the intervals over seeds need scipy: pip install 'attnres[report]'") from None
 
 
+#: what the report reads of each run's summary.json and metrics.jsonl rows (checked on reading)
+SUMMARY_FIELDS = {"final_val_loss": (int, float, type(None)), "parameters": int,
+                  "peak_memory_mib": (int, float)}
+
+
+def metric_fields(row: dict) -> dict:
+    number = (int, float)
+    return {"split": str, "step": int, "tokens": int, **({"val_loss": number} if row.get("split") == "val" else {})}
+
+
 def run_name(design: str, seed: int, seeds) -> str:
     """The folder of ``design``'s run for ``seed`` in a comparison over ``seeds``: the design's
     name, with ``-seed<k>`` when there are several seeds."""
@@ -124,9 +134,9 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
         if missing:
             raise ValueError(f"run {d} is incomplete: {missing} missing")
         run = dict(entry)
-        run["summary"] = read_json(d / "summary.json")
-        run["config"] = read_json(d / "config.json")
-        run["metrics"] = read_jsonl(d / "metrics.jsonl")
+        run["summary"] = read_json(d / "summary.json", SUMMARY_FIELDS)
+        run["config"] = read_json(d / "config.json", {s: dict for s in ("model", "data", "run")})
+        run["metrics"] = read_jsonl(d / "metrics.jsonl", metric_fields)
         analysis = d / "analysis.json"
         run["analysis"] = read_json(analysis) if analysis.exists() else None
         runs.append(run)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.dataclasses import strict
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -33,6 +34,7 @@ from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from ..files import read_json
 from ..streams import DeltaAttnResStream
 
 SOURCES = {
@@ -200,10 +202,17 @@ def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
         path = Path(source)
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a local Hugging Face model folder (config.json missing)")
-        config = AutoConfig.from_pretrained(str(path))
-        if config.model_type in SOURCES:  # the options are checked before the weights load
-            check_routing_options(config, heads, block_layers)
-        source = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
+        check_source_config(path / "config.json")
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path / 'config.json'} does not load as a model config ({_first_line(exc)})") from None
+        check_routing_options(config, heads, block_layers)  # before the weights load
+        try:
+            source = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
+        except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+            raise ValueError(f"the weights in {path} do not load as the model its config.json describes "
+                             f"({_first_line(exc)})") from None
     model_type = getattr(source.config, "model_type", None)
     if model_type not in SOURCES or not hasattr(source, "lm_head"):
         raise ValueError(
@@ -225,6 +234,32 @@ def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
     converted.routing.reset_parameters()
     dtype = next(source.parameters()).dtype
     return converted.to(dtype).eval() if not source.training else converted.to(dtype)
+
+
+#: what a source's config.json must hold (positive integers) besides ``model_type``
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def check_source_config(path: Path) -> None:
+    """``ValueError`` naming ``path`` unless it is a JSON object of a supported ``model_type``
+    holding the sizes (``REQUIRED_FIELDS``) as positive integers: a missing size would be read
+    as the architecture's default, a model other than the weights'."""
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds {type(config).__name__}, not a model config")
+    model_type = config.get("model_type")
+    if model_type not in SOURCES:
+        raise ValueError(f"{path}: model_type={model_type!r}; supported decoder causal LMs: {sorted(SOURCES)}")
+    for name in REQUIRED_FIELDS:
+        if name not in config:
+            raise ValueError(f"{path} lacks {name}: a missing size would be read as the architecture's default")
+        if type(config[name]) is not int or config[name] < 1:
+            raise ValueError(f"{path}: {name}={config[name]!r} must be a positive integer")
 
 
 def check_destination(src: Path, dst: Path, overwrite: bool) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import read_json
+
 
 def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 1):
     """lm-eval's ``HFLM`` around the model and tokenizer saved in ``model_dir``."""
@@ -26,8 +28,19 @@ def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"{model_dir} is not a saved model folder (config.json missing)")
+    config = read_json(model_dir / "config.json")
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    if type(vocab) is not int or vocab < 1:
+        raise ValueError(f"{model_dir / 'config.json'} holds no vocab_size (a positive integer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{model_dir} holds no tokenizer that loads ({reason})") from None
+    if len(tokenizer) > vocab:  # a token id past the embedding would index out of it
+        raise ValueError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens, more than the model's vocabulary "
+                         f"(vocab_size={vocab} in config.json): save the model's own tokenizer with it")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 

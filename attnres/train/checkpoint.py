@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -79,34 +81,109 @@ def _prune(ckpt_root: Path, keep: Path) -> None:
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    pointer = Path(ckpt_root) / "latest"
-    if not pointer.exists():
+    """The checkpoint that ``latest`` names, or None when there is no ``latest``;
+    ``CheckpointError`` when it names no complete checkpoint of this folder (a pointer that is
+    garbage, leads elsewhere or names a missing folder)."""
+    ckpt_root = Path(ckpt_root)
+    pointer = ckpt_root / "latest"
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    path = Path(ckpt_root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if pointer.is_symlink() or not pointer.is_file():
+        raise CheckpointError(f"{pointer} is not a plain file naming a checkpoint; remove it or write the name "
+                              f"of a step-NNNNNNN folder into it")
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({exc})") from None
+    if not re.fullmatch(r"step-[0-9]{7}", name):
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a checkpoint folder step-NNNNNNN of {ckpt_root}")
+    path = ckpt_root / name
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(f"{pointer} names {name}, which is not a checkpoint folder in {ckpt_root}")
+    return path
+
+
+#: what ``state.pt`` holds: key -> (accepted types, what it is)
+STATE_KEYS = {"optimizer": (dict, "the optimizer's state"), "rng": (torch.Tensor, "the RNG state"),
+              "step": (int, "the step"), "config": (dict, "the run's config")}
+
+
+def check_state(state, path: Path) -> None:
+    """``CheckpointError`` unless ``state`` (``state.pt``'s content) holds ``STATE_KEYS`` of
+    their types, an optimizer state with its ``state`` and ``param_groups``, a step >= 0."""
+    where = path / "state.pt"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds {type(state).__name__}, not a checkpoint's state")
+    for key, (kind, what) in STATE_KEYS.items():
+        if key not in state:
+            raise CheckpointError(f"{where} lacks {key!r} ({what}); was it edited by hand?")
+        if not isinstance(state[key], kind) or (kind is int and isinstance(state[key], bool)):
+            raise CheckpointError(f"{where}: {key!r} ({what}) is {type(state[key]).__name__}, not {kind.__name__}")
+    optim = state["optimizer"]
+    if not isinstance(optim.get("state"), dict) or not isinstance(optim.get("param_groups"), list):
+        raise CheckpointError(f"{where}: the optimizer's state lacks 'state' or 'param_groups'")
+    rng = state["rng"]
+    if state["step"] < 0 or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+        raise CheckpointError(f"{where}: step {state['step']} or the RNG state ({state['rng'].dtype}) is not "
+                              f"one a run saves")
+    for key in ("grad_norm_sums", "grad_norm_count"):
+        value = state.get(key)
+        if value is not None and not isinstance(value, (torch.Tensor, int)):
+            raise CheckpointError(f"{where}: {key!r} is {type(value).__name__}")
+
+
+def check_weights(weights: dict, expected_model: ModelConfig, path: Path) -> None:
+    """``CheckpointError`` unless ``weights`` have the names and shapes of ``expected_model``'s
+    (counted on the meta device): a ``model.safetensors`` of another design or size."""
+    from ..model import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(expected_model).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+    if missing or unexpected or shapes:
+        what = "; ".join(text for text in (
+            f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
+            f"{shapes[0]} is {got[shapes[0]]}, the model's is {expected[shapes[0]]}" if shapes else "") if text)
+        raise CheckpointError(f"{path / 'model.safetensors'} holds the weights of another model ({what}); "
+                              f"the run's config.json describes {expected_model.residual!r} of dim "
+                              f"{expected_model.dim}")
 
 
 def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tuple[dict, dict]:
-    """``(model_state, train_state)`` of checkpoint folder ``path``; a corrupt file or a model
-    config other than ``expected_model`` raises ``CheckpointError``."""
+    """``(model_state, train_state)`` of checkpoint folder ``path``; a file that is missing or
+    corrupt raises ``CheckpointError`` naming it, and with ``expected_model`` (loading for a run)
+    so does a state of another content (``check_state``) or a model other than
+    ``expected_model`` (its config in ``state.pt``, its weights' names and shapes)."""
     path = Path(path)
     missing = [n for n in ("model.safetensors", "state.pt") if not (path / n).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: {missing} missing")
     try:
         weights = load_file(str(path / "model.safetensors"))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'model.safetensors'} is corrupt or not a model's weights: {exc}") from None
+    try:
         state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
-    except (SafetensorError, RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is corrupt or not an attnres checkpoint: {exc}") from None
-    if expected_model is not None:
-        saved = state.get("config", {}).get("model")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError, TypeError,
+            IndexError, KeyError, ImportError):
+        # torch's own text suggests loading it with weights_only=False: never for a run's file
+        raise CheckpointError(f"{path / 'state.pt'} is corrupt or not an attnres checkpoint's state (it does not "
+                              f"load as plain tensors and containers)") from None
+    if expected_model is not None:  # loaded for a run: every part of it checked
+        check_state(state, path)
+        saved = state["config"].get("model")
         current = {k: v for k, v in vars(expected_model).items() if not k.startswith("_")}
-        if saved is not None:  # a field added since the checkpoint was written reads as its default
+        if isinstance(saved, dict):  # a field added since the checkpoint was written reads as its default
             defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
             saved = {**{k: defaults[k] for k in current if k not in saved and k in defaults}, **saved}
+            if isinstance(saved.get("block_sizes"), list):
+                saved["block_sizes"] = tuple(saved["block_sizes"])
         if saved != current:
-            diff = sorted(k for k in current if saved is None or saved.get(k) != current[k])
+            diff = sorted(k for k in current if not isinstance(saved, dict) or saved.get(k) != current[k])
             raise CheckpointError(
                 f"checkpoint {path} was written for another model (fields differ: {diff})"
             )
+        check_weights(weights, expected_model, path)
     return weights, state

@@ -26,6 +26,7 @@ from ..streams import MODEL_OPTIONS, STREAMS
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import COMPARISON_PRESETS, TrainConfig, from_dict, parse_value, to_dict
 from .data import batch_at, load_corpus
+from .lock import FolderLock
 from .run_dir import RUN_FILES
 from .trainer import EVAL_SEED, Signals, exit_status, train
 
@@ -308,7 +309,13 @@ def _trained_model(run_dir: Path, ckpt: Path) -> tuple[Transformer, dict]:
 
 def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
     """Train design ``label`` for ``seed`` (or continue it: ``_how_to_start``), write its
-    analysis once it has finished, and return its entry of ``compare.json``."""
+    analysis once it has finished, and return its entry of ``compare.json``. The comparison
+    holds the design's folder (``lock.FolderLock``) from its first look at it to its analysis."""
+    with FolderLock(root / run_name(label, seed, plan.seeds)):
+        return _train_design(root, plan, label, seed, corpus, log)
+
+
+def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
     name = run_name(label, seed, plan.seeds)
     cfg, run_dir = plan.run_config(label, seed), root / name
     steps = cfg.run.steps

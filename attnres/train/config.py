@@ -9,6 +9,7 @@ in one place, ``train/validate.py`` (``TrainConfig.validate``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -198,8 +199,9 @@ def parse_value(value: str, annotation, key: str):
         raise ValueError(f"--set {key}={value!r}: expected a value of type {annotation.__name__}") from None
 
 
-def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
-    """Apply one ``section.field=value`` override; returns a new config."""
+def parse_assignment(config: TrainConfig, assignment: str) -> tuple[str, str, object]:
+    """``(section, field, value)`` of one ``section.field=value`` override, the value parsed by
+    the field's type."""
     if "=" not in assignment:
         raise ValueError(f"--set {assignment!r}: expected section.field=value")
     key, value = assignment.split("=", 1)
@@ -211,12 +213,74 @@ def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if field_name not in fields:
         raise ValueError(f"--set {key!r}: unknown field; {section_name} has {sorted(fields)}")
-    parsed = parse_value(value, typing.get_type_hints(type(section))[field_name], key)
-    if section_name == "model":  # re-run the model's validation on the new value
-        new_section = ModelConfig(**{**dataclasses.asdict(section), field_name: parsed})
-    else:
-        new_section = dataclasses.replace(section, **{field_name: parsed})
-    return dataclasses.replace(config, **{section_name: new_section})
+    return section_name, field_name, parse_value(value, typing.get_type_hints(type(section))[field_name], key)
+
+
+#: model fields whose default derives from another (``ModelConfig``): when the other is set and
+#: the field holds its derived value, it is derived again from the new one
+DERIVED = {"ffn_dim": ("dim", lambda m: 32 * math.ceil(8 * m["dim"] / 3 / 32)),
+           "n_kv_heads": ("n_heads", lambda m: m["n_heads"])}
+
+
+def _model_with(model: ModelConfig, changes: dict) -> ModelConfig:
+    """``model`` with ``changes``, checked once as a whole; a derived default (``DERIVED``)
+    follows the field it derives from unless it is set too."""
+    fields = dataclasses.asdict(model)
+    for name, (source, rule) in DERIVED.items():
+        if source in changes and name not in changes and fields[name] == rule(fields):
+            fields[name] = None
+    return ModelConfig(**{**fields, **changes})
+
+
+def apply_overrides(config: TrainConfig, assignments) -> TrainConfig:
+    """Apply ``section.field=value`` overrides together: each parsed, then every section built
+    and checked once with all of its changes, so the order of the assignments of different
+    fields never matters (a field given twice takes its last value). Returns a new config."""
+    changes: dict[str, dict] = {}
+    for assignment in assignments:
+        section, name, value = parse_assignment(config, assignment)
+        changes.setdefault(section, {})[name] = value  # a field given again: the last value
+    for section, fields in changes.items():
+        if section == "model":  # the model's checks run on all of its new values at once
+            new_section = _model_with(config.model, fields)
+        else:
+            new_section = dataclasses.replace(getattr(config, section), **fields)
+        config = dataclasses.replace(config, **{section: new_section})
+    return config
+
+
+def apply_override(config: TrainConfig, assignment: str) -> TrainConfig:
+    """Apply one ``section.field=value`` override; returns a new config."""
+    return apply_overrides(config, [assignment])
+
+
+def _type_problem(value, annotation) -> bool:
+    """True when ``value`` (read from JSON) is not of the field type ``annotation``."""
+    if type(annotation) in (types.UnionType, typing.Union) or typing.get_origin(annotation) is typing.Union:
+        return value is not None and all(_type_problem(value, a) for a in typing.get_args(annotation)
+                                         if a is not type(None))
+    if typing.get_origin(annotation) in (tuple, list):
+        item = typing.get_args(annotation)[0]
+        return not isinstance(value, (list, tuple)) or any(_type_problem(v, item) for v in value)
+    if annotation is float:
+        return isinstance(value, bool) or not isinstance(value, (int, float))
+    if annotation is int:
+        return isinstance(value, bool) or not isinstance(value, int)
+    return not isinstance(value, annotation)
+
+
+def check_types(cls, values, section: str) -> None:
+    """Refuse a saved section ``values`` that is not an object, lacks no field but holds an
+    unknown one, or holds a value not of its field's type (``ValueError`` naming it)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"section {section!r} is {type(values).__name__}, not an object")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown field(s) {[f'{section}.{k}' for k in unknown]}")
+    for name, value in values.items():
+        if _type_problem(value, hints[name]):
+            raise ValueError(f"{section}.{name}={value!r} is not of type {hints[name]}")
 
 
 def to_dict(config: TrainConfig) -> dict:
@@ -234,3 +298,21 @@ def from_dict(d: dict) -> TrainConfig:
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a valid attnres training config: {exc}") from None
+
+
+def load_saved(d) -> TrainConfig:
+    """A config read from a run's ``config.json``: every section an object, every field of its
+    type (``check_types``), rebuilt (``from_dict``) and checked (``validate``); ``ValueError``
+    naming what is wrong."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("model", "data", "optim", "run")):
+        raise ValueError("not a valid attnres training config: expected an object with the sections "
+                         "model, data, optim and run")
+    try:
+        for name, cls in {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}.items():
+            check_types(cls, d[name], name)
+        config = from_dict(d)
+        config.validate()
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if text.startswith("not a valid") else f"not a valid attnres training config: {text}") from None
+    return config

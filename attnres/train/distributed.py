@@ -33,15 +33,32 @@ class DistInfo:
 
 
 def pick_device(preference: str) -> torch.device:
+    """The device ``run.device`` names, refused unless training can run there: ``auto``,
+    ``cpu``, or ``cuda``/``cuda:N`` with that GPU present (``mps`` where it is available)."""
     if preference == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(preference)
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         raise ValueError(f"run.device={preference!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:1', ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"run.device={preference!r} but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"run.device={preference!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    mps = device.type == "mps" and torch.backends.mps.is_available()
+    if device.type not in ("cpu", "cuda") and not mps:
+        raise ValueError(f"run.device={preference!r} is not a device training runs on here: 'auto', 'cpu' or "
+                         f"'cuda[:N]'")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ValueError(f"run.device={preference!r}: the CPU is one device, 'cpu'")
     return device
+
+
+def launched_rank() -> int:
+    """This process's rank as torchrun launched it (0 without torchrun), known before the
+    process group starts."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def launched_world_size() -> int:
@@ -63,6 +80,24 @@ def setup(device_preference: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistInfo(rank, world, local_rank, device)
+
+
+def agree(problem: Exception | None, info: DistInfo) -> None:
+    """Every rank learns whether any rank refused to start: a rank with ``problem`` raises it,
+    the others raise ``ValueError`` quoting the first refusal (so that no rank waits on one that
+    left). Without torchrun, raises ``problem`` when given."""
+    if not info.distributed:
+        if problem is not None:
+            raise problem
+        return
+    messages = [None] * info.world_size
+    dist.all_gather_object(messages, None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    refused = [(rank, text) for rank, text in enumerate(messages) if text]
+    if refused:
+        rank, text = refused[0]
+        raise ValueError(f"rank {rank} refused to start: {text}")
 
 
 def teardown() -> None:

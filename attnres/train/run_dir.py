@@ -1,7 +1,8 @@
 """A run's folder: what a run writes there, the refusal to start over a run it holds, and the
 metrics log (JSONL on the main rank, mirrored to TensorBoard when it is installed).
 
-A run folder holds ``config.json`` (the run's settings), ``metrics.jsonl`` (one row per logged
+A run folder holds ``.lock`` (``train/lock.py``: one writer at a time), ``config.json`` (the
+run's settings), ``metrics.jsonl`` (one row per logged
 step and evaluation), ``checkpoints/`` (``train/checkpoint.py``), ``tensorboard/`` and, once the
 run ends, ``summary.json``; a BPE run also caches its tokenizer there.
 """
@@ -14,31 +15,97 @@ import shutil
 import warnings
 from pathlib import Path
 
-#: what a run writes into its folder (``overwrite`` removes these and nothing else)
+from . import lock
+
+#: what a run writes into its folder (``overwrite`` removes these and nothing else: not the lock)
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints", "tensorboard")
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, before any work, to start a new run in a folder that holds one (its config,
-    checkpoints and log would be overwritten or appended to) unless ``resume`` or
-    ``overwrite``; with ``overwrite`` the old run's files go."""
-    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+def outside_links(run_dir: Path) -> list[str]:
+    """The run's files (``RUN_FILES``, the checkpoints and their files, the lock) that are links
+    leading out of ``run_dir``: a run reads and writes its files only inside its folder."""
+    root = run_dir.resolve()
+    paths = [run_dir / name for name in (*RUN_FILES, lock.LOCK_FILE)]
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and not ckpts.is_symlink():
+        for entry in sorted(ckpts.iterdir()):
+            paths.append(entry)
+            if entry.is_dir() and not entry.is_symlink():
+                paths.extend(sorted(entry.iterdir()))
+    found = []
+    for path in paths:
+        if path.is_symlink():
+            target = path.resolve()
+            if target != root and root not in target.parents:
+                found.append(f"{path} -> {os.readlink(path)}")
+    return found
+
+
+def check_inside(run_dir: Path) -> None:
+    """Refuse a run folder whose files lead out of it (``outside_links``), naming them."""
+    links = outside_links(run_dir) if run_dir.is_dir() else []
+    if links:
+        raise ValueError(f"{run_dir}: {', '.join(links)} leads out of the run folder; a run's files stay in "
+                         f"its folder: remove the link")
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, owner: bool = True) -> list[str]:
+    """Refuse, before any work, to start in a folder that another job writes (its lock's owner
+    named), whose files lead out of it, or that holds a run (its config, checkpoints and log
+    would be overwritten or appended to) unless ``resume`` or ``overwrite``; reads only.
+    Returns the names of the run's files that ``overwrite`` will remove (``remove_run``) once
+    the new run is known to be able to start. ``owner=False``: the lock is not looked at (the
+    ranks of a job but rank 0, whose lock it is)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is a file, not a folder")
+    who = lock.owner(run_dir) if owner and run_dir.is_dir() else None
+    if who:
+        raise lock.FolderInUse(lock.in_use_message(run_dir, who))
+    check_inside(run_dir)
+    held = [name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
     if not held or resume:
-        return
+        return []
     if not overwrite:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                          "or start over with --overwrite")
-    for name in held:
+    return held
+
+
+def remove_run(run_dir: Path, names: list[str]) -> None:
+    """Remove the files ``names`` of the old run in ``run_dir`` (``--overwrite``); a link is
+    removed, never followed."""
+    for name in names:
         path = run_dir / name
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
-        else:
+        elif path.exists() or path.is_symlink():
             path.unlink()
 
 
+def load_run_config(run_dir: Path):
+    """The ``TrainConfig`` a run saved in ``run_dir/config.json``, read only inside the folder
+    (``check_inside``); ``ValueError`` naming the file and what is wrong with it."""
+    from ..files import read_json
+    from .config import load_saved
+
+    run_dir = Path(run_dir)
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is not a training run: config.json is missing")
+    check_inside(run_dir)
+    try:
+        return load_saved(read_json(path))
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if str(path) in text else f"{path}: {text}") from None
+
+
 def write_json(path: Path, data: dict) -> None:
-    """``data`` as indented JSON (the run's ``config.json`` and ``summary.json``)."""
-    path.write_text(json.dumps(data, indent=2))
+    """``data`` as indented JSON (the run's ``config.json`` and ``summary.json``), written to a
+    temporary file and renamed over ``path``: a link there is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -47,11 +114,11 @@ def truncate_log(path: Path, step: int) -> None:
     A row cut short by a crash is dropped too. The file is replaced atomically."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()  # a garbled row is dropped
     kept = []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
+            if "\ufffd" not in line and json.loads(line)["step"] <= step:
                 kept.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue

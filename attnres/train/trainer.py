@@ -4,12 +4,16 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
 
 ``train`` runs a run's parts in order, each a function over the ``Run`` that ``start`` makes:
 
-1. the checks: every setting and its placement on the job's processes (``validate.check_run``),
-   then the run folder (``run_dir.check_run_dir``, the one part that deletes); nothing before
-   them writes, allocates or waits on another process;
-2. ``start``: the processes (``start_processes``), the data (``load_data``), the model, wrapped
-   for data parallelism or cut into pipeline stages (``build_model``), and the optimizer;
-3. ``restore`` (``resume=True``): the latest checkpoint's weights, optimizer, RNG and statistics;
+1. the checks, which read only: every setting and its placement on the job's processes
+   (``validate.check_run``), the device, the run folder (``run_dir.check_run_dir``: its lock,
+   its links, a run it holds) and, on a resume, the checkpoint (``resume_point``);
+2. the run folder's lock (``train/lock.py``, rank 0), the data (``load_data``), the memory the
+   model needs (``resources.check_memory``), then the processes (``start_processes``), every
+   rank told of any refusal (``_prepare``);
+3. ``start``: the model, wrapped for data parallelism or cut into pipeline stages
+   (``build_model``), and the optimizer; ``restore`` (``resume=True``): the checkpoint's
+   weights, optimizer, RNG and statistics; only then does ``--overwrite`` remove the old run's
+   files (``run_dir.remove_run``), and a refusal before this point leaves the folder as it was;
 4. ``run_steps``: each optimizer step (``train_step``), logged, evaluated (``evaluate``) and
    checkpointed (``save``) when due; SIGINT/SIGTERM saves a checkpoint and stops;
 5. ``summarize``: the run's numbers, written to ``summary.json``.
@@ -18,10 +22,12 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -31,11 +37,13 @@ from torch import nn
 
 from ..model import Transformer, lm_loss, param_groups
 from . import distributed as dist
+from . import lock
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
 from .pipeline import Pipeline, build_pipeline, pipeline_groups
-from .run_dir import Metrics, check_run_dir, write_json
+from .resources import check_memory
+from .run_dir import Metrics, check_run_dir, remove_run, write_json
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
@@ -198,10 +206,9 @@ class Run:
         return micro_step(self.wrapped, k < self.cfg.run.grad_accum - 1, self.autocast)
 
 
-def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> Run:
-    """Everything a run needs before its first step, in order: processes, data, model, optimizer."""
-    place = start_processes(cfg)
-    cfg, corpus = load_data(cfg, run_dir, corpus)
+def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement) -> Run:
+    """Everything a run needs before its first step, on the processes ``place`` and the data
+    ``corpus`` (``load_data``) that ``train`` made and checked: the model and the optimizer."""
     model, wrapped, forward, pipe = build_model(cfg, place)
     optimizer = build_optimizer(cfg.optim, model)
     device = place.info.device
@@ -212,21 +219,68 @@ def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> Run:
 
 # -- 3. restore, and its counterpart save ----------------------------------------------------
 
-def restore(run: Run) -> None:
-    """Continue from ``run``'s latest checkpoint exactly where it stopped: the weights, the
-    optimizer, the RNG, the step and the gradient-norm statistics."""
-    path = latest_checkpoint(run.ckpt_root)
+@dataclass
+class ResumePoint:
+    """The checkpoint a resumed run continues from, read and checked before any work: its
+    folder, weights and state (``state.pt``)."""
+
+    path: Path
+    weights: dict
+    state: dict
+
+
+def _same_data(saved: dict, given: dict) -> list[str]:
+    """The ``data.*`` fields where the run's saved settings and the given ones differ (paths
+    compared as the files they name)."""
+    def norm(key, value):
+        if key == "source" and isinstance(value, str) and value != "stdlib" and not value.startswith("hf:"):
+            return str(Path(value).expanduser().resolve())
+        return value
+
+    return [f"data.{k}: the run's {saved.get(k)!r}, given {v!r}" for k, v in given.items()
+            if norm(k, saved.get(k)) != norm(k, v)]
+
+
+def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
+    """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
+    data: a resumed run continues on the batches it was drawing) and refused when it already
+    reached ``run.steps``; reads only."""
+    ckpt_root = run_dir / "checkpoints"
+    path = latest_checkpoint(ckpt_root)
     if path is None:
-        raise CheckpointError(f"--resume: no checkpoint in {run.ckpt_root}")
-    weights, state = load_checkpoint(path, run.cfg.model)
-    dist.load_full_state(run.model, run.optimizer, weights, state["optimizer"], run.info)
-    torch.set_rng_state(state["rng"])
-    run.start_step = int(state["step"])
-    if run.start_step >= run.cfg.run.steps:
+        raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
+    weights, state = load_checkpoint(path, cfg.model)
+    saved_data = state["config"].get("data")
+    differ = _same_data(saved_data if isinstance(saved_data, dict) else {}, to_dict(cfg)["data"])
+    if differ:
+        raise ValueError(f"--resume continues the run in {run_dir} on its own data, and {'; '.join(differ)}: "
+                         f"drop the data settings, or start a new run (--run-dir, or --overwrite) on the new data")
+    step = state["step"]
+    if step >= cfg.run.steps:
         raise ValueError(
-            f"the run in {run.run_dir} already finished its {run.start_step} steps; resume with "
-            f"--set run.steps=N (N > {run.start_step}) to train further"
+            f"the run in {run_dir} already finished its {step} steps; resume with "
+            f"--set run.steps=N (N > {step}) to train further"
         )
+    return ResumePoint(path, weights, state)
+
+
+def restore(run: Run, point: ResumePoint) -> None:
+    """Continue from ``point`` (``resume_point``) exactly where it stopped: the weights, the
+    optimizer, the RNG, the step and the gradient-norm statistics."""
+    state = point.state
+    try:
+        dist.load_full_state(run.model, run.optimizer, point.weights, state["optimizer"], run.info)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state does not fit the model "
+                              f"({str(exc).splitlines()[0][:200]})") from None
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            moments = run.optimizer.state.get(p, {})
+            if any(isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape for v in moments.values()):
+                raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state holds moments of another "
+                                      f"shape than the model's parameters")
+    torch.set_rng_state(state["rng"])
+    run.start_step = state["step"]
     run.grad_norms = LayerGradNorms.from_state(state)
 
 
@@ -464,24 +518,82 @@ def summarize(run: Run, progress: Progress) -> dict:
     )
 
 
+def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, processes: int,
+             problem: Exception | None) -> tuple[TrainConfig, Corpus, Placement]:
+    """The checks that need the data, then the processes: the data (``load_data``) and the
+    memory the model needs (``check_memory``), unless ``problem`` (the lock refused) already
+    stops the run; every rank learns of any rank's refusal once the process group starts
+    (``dist.agree``), so that none waits on one that left."""
+    if problem is None:
+        try:
+            cfg, corpus = load_data(cfg, run_dir, corpus)
+            check_memory(cfg, dist.pick_device(cfg.run.device), processes)
+        except ValueError as exc:
+            problem = exc
+    place = start_processes(cfg)
+    dist.agree(problem, place.info)
+    return cfg, corpus, place
+
+
+@contextmanager
+def _no_trace_if_refused(run_dir: Path, main: bool):
+    """On the main rank, a refusal or failure before the run's first step removes what this
+    job made in ``run_dir`` (the folder itself when it made it): a corrected command then finds
+    the folder as it was."""
+    existed = run_dir.is_dir()
+    before = set(os.listdir(run_dir)) if existed else set()
+    try:
+        yield
+    except BaseException as exc:
+        if main and not isinstance(exc, lock.FolderInUse) and run_dir.is_dir():
+            if not existed:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                for name in set(os.listdir(run_dir)) - before:
+                    path = run_dir / name
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise
+
+
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
           overwrite: bool = False) -> TrainResult:
     """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
 
     ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped. A
     folder that already holds a run is refused unless ``resume`` or ``overwrite`` (which removes
-    that run's files first).
+    that run's files once the new run has started: its settings, data, memory and model are
+    known to be good). The job holds the folder's lock (``train/lock.py``) from its checks to
+    its end; a refusal before the first step leaves the folder as it was.
     """
     run_dir = Path(run_dir)
-    cfg.validate(dist.launched_world_size())  # before any process waits on another
-    check_run_dir(run_dir, resume, overwrite)
-    run = start(cfg, run_dir, corpus)
-    if resume:
-        restore(run)
-    if run.info.is_main:
-        write_json(run_dir / "config.json", to_dict(run.cfg))
-    progress = run_logged(run, resume)
-    summary = summarize(run, progress)
-    if run.info.is_main:
-        write_json(run_dir / "summary.json", summary)
+    processes, main = dist.launched_world_size(), dist.launched_rank() == 0
+    cfg.validate(processes)  # before any process waits on another
+    dist.pick_device(cfg.run.device)
+    old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
+    point = resume_point(cfg, run_dir) if resume else None
+    locked = False
+    try:
+        with _no_trace_if_refused(run_dir, main):
+            problem = None
+            if main:  # one lock per job, held by rank 0
+                try:
+                    lock.acquire(run_dir)
+                    locked = True
+                except lock.FolderInUse as exc:
+                    problem = exc
+            cfg, corpus, place = _prepare(cfg, run_dir, corpus, processes, problem)
+            run = start(cfg, run_dir, corpus, place)
+            if point is not None:
+                restore(run, point)
+                point = None  # the checkpoint's tensors now live in the model and the optimizer
+            if main:
+                remove_run(run_dir, old_run)
+                write_json(run_dir / "config.json", to_dict(run.cfg))
+        progress = run_logged(run, resume)
+        summary = summarize(run, progress)
+        if run.info.is_main:
+            write_json(run_dir / "summary.json", summary)
+    finally:
+        if locked:
+            lock.release(run_dir)
     return TrainResult(run.model, summary, run.corpus, progress.interrupted, progress.signal)
