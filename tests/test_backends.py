@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from attnres import build_stream, ops
-from attnres.ops import BACKENDS, BackendOps, Request, depth_attention, depth_attention_naive, rms_norm
+from attnres.ops import (
+    BACKENDS,
+    BackendOps,
+    Request,
+    depth_attention,
+    depth_attention_naive,
+    rms_norm,
+)
 from attnres.ops import registry
 
 OTHERS = [name for name in BACKENDS if name != registry.REFERENCE]  # tested against naive
