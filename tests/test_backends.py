@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from attnres import build_stream, ops
-from attnres.ops import BACKENDS, Request, depth_attention, depth_attention_naive, rms_norm
+from attnres.ops import (
+    BACKENDS,
+    BackendOps,
+    Request,
+    depth_attention,
+    depth_attention_naive,
+    rms_norm,
+)
 from attnres.ops import registry
 
 OTHERS = [name for name in BACKENDS if name != registry.REFERENCE]  # tested against naive
@@ -544,12 +551,22 @@ def test_inference_scores_each_source_once(monkeypatch, backend):
 # -- the registry -------------------------------------------------------------------------------
 
 def test_every_backend_offers_the_interface():
+    """Each registered backend is one ``BackendOps`` object that implements the methods its
+    registry line declares, and no others (those raise, naming the backend)."""
     for name, b in BACKENDS.items():
         if b.setup is not None and b.setup():
             continue  # not importable here (its tests skip, saying why)
-        fns = ops.backend(name)
-        wanted = ["attend", "merge", "prepare"] + (["score_source", "attend_scored"] if b.scores_ahead else [])
-        assert all(callable(getattr(fns, f, None)) for f in wanted), name
+        backend_ops = ops.backend(name)
+        assert isinstance(backend_ops, BackendOps) and backend_ops.name == name
+        declared = {"attend": True, "merge": True, "prepare": True, "score_source": b.scores_ahead,
+                    "attend_scored": b.scores_ahead, "decode_read": b.decodes,
+                    "source_grad": b.defers_source_grads}
+        for method, offered in declared.items():
+            implemented = getattr(type(backend_ops), method) is not getattr(BackendOps, method)
+            twin = name == "naive" and method == "source_grad"  # the reference of cpu's, for tests
+            assert implemented == offered or twin, (name, method)
+    with pytest.raises(NotImplementedError, match="backend 'torch' has no decode pass"):
+        ops.backend("torch").decode_read(torch.zeros(2, 1, 8), 1, torch.zeros(8))
 
 
 def test_backend_errors_and_single_warning():

@@ -52,7 +52,8 @@ def check_compiled(design, compiler, **overrides):
 
 
 def cpu_ops(names) -> set[str]:
-    return {n.removeprefix("attnres.").removesuffix(".default") for n in names if n.startswith("attnres.cpu_")}
+    return {n.removeprefix("attnres.").removesuffix(".default") for n in names
+            if n.startswith("attnres.cpu_")}
 
 
 def assert_cpu_ops_captured(seen, merges):

@@ -347,11 +347,11 @@ def test_a_fused_read_norm_promotes_as_rms_norm(kind, options):
     assert dtypes["cpu"] == dtypes["naive"]
 
 
-# -- the custom ops: what a compiled graph calls ----------------------------------------------------
+# -- the custom ops: what a compiled graph calls --------------------------------------------------
 
 def op_cases(dt):
-    """One call of every ``attnres::cpu_*`` op on tiny inputs of dtype ``dt``: the options
-    (fused norm, sigmoid score without key norm, a gradient left out), each op's argument by name."""
+    """One call of every ``attnres::cpu_*`` op on tiny inputs of dtype ``dt``, its arguments by
+    name: the fused norm, the sigmoid score without key norm, given logits, a gradient left out."""
     g = torch.Generator().manual_seed(11)
     lead, D, H = (2, 3), 8, 2
 
@@ -359,39 +359,45 @@ def op_cases(dt):
         return torch.randn(*shape, generator=g, dtype=dt).requires_grad_(grad)
 
     sources = [rand(*lead, D, grad=True) for _ in range(3)]
+    fixed = [v.detach() for v in sources]
     qg, weight = rand(2, D, grad=True), (1 + 0.1 * rand(D)).requires_grad_()
     inv_rms = [inverse_rms(v) for v in sources]
     norm = dict(norm_weight=weight, norm_eps=1e-5)
-    cases = [(cpu.attend_op, dict(qg=qg, sources=sources, inv_rms=inv_rms, logits=None, **norm, heads=H,
-                                  score="softmax", key_norm=True)),
-             (cpu.attend_op, dict(qg=qg, sources=sources, inv_rms=[], logits=None, norm_weight=None, norm_eps=None,
-                                  heads=H, score="sigmoid", key_norm=False)),
-             (cpu.attend_op, dict(qg=None, sources=[v.detach() for v in sources], inv_rms=[], logits=rand(3, 2, *lead, H),
-                                  norm_weight=None, norm_eps=None, heads=H, score="softmax", key_norm=False))]
+    no_norm = dict(norm_weight=None, norm_eps=None)
+    attend = dict(qg=qg, sources=sources, logits=None, heads=H)
+    softmax, sigmoid = dict(score="softmax", key_norm=True), dict(score="sigmoid", key_norm=False)
+    cases = [(cpu.attend_op, dict(**attend, inv_rms=inv_rms, **norm, **softmax)),
+             (cpu.attend_op, dict(**attend, inv_rms=[], **no_norm, **sigmoid)),
+             (cpu.attend_op, dict(qg=None, sources=fixed, inv_rms=[], logits=rand(3, 2, *lead, H),
+                                  **no_norm, heads=H, score="softmax", key_norm=False))]
     with torch.no_grad():  # what backward is given: no graph
         outs, lse, norm_rr = cpu.attend_op(**cases[0][1])
     cases.append((cpu.attend_backward_op, dict(
-        grad_outs=[rand(*lead, D), None], grad_lse=rand(2, *lead, H), qg=qg.detach(), sources=[v.detach() for v in sources],
-        inv_rms=inv_rms, lse=lse, norm_weight=weight.detach(), norm_rr=norm_rr, norm_eps=1e-5, heads=H, score="softmax",
-        key_norm=True, sources_need=[True, False, True], qg_needs=True, weight_needs=True)))
-    o1, lse1, partial, query = rand(*lead, D, grad=True), rand(*lead, H, grad=True), rand(*lead, D, grad=True), rand(D, grad=True)
+        grad_outs=[rand(*lead, D), None], grad_lse=rand(2, *lead, H), qg=qg.detach(),
+        sources=fixed, inv_rms=inv_rms, lse=lse, norm_weight=weight.detach(), norm_rr=norm_rr,
+        norm_eps=1e-5, heads=H, score="softmax", key_norm=True, sources_need=[True, False, True],
+        qg_needs=True, weight_needs=True)))
+    o1, lse1 = rand(*lead, D, grad=True), rand(*lead, H, grad=True)
+    partial, query = rand(*lead, D, grad=True), rand(D, grad=True)
     merge = dict(o1=o1, lse1=lse1, partial=partial, qg=query, heads=H, eps=1e-6)
-    cases += [(cpu.merge_op, dict(**merge, **norm, score="softmax", key_norm=True)),
-              (cpu.merge_op, dict(**merge, norm_weight=None, norm_eps=None, score="sigmoid", key_norm=False))]
+    cases += [(cpu.merge_op, dict(**merge, **norm, **softmax)),
+              (cpu.merge_op, dict(**merge, **no_norm, **sigmoid))]
     with torch.no_grad():
         out, h, s2, w, r, rr = cpu.merge_op(**cases[-2][1])
     cases.append((cpu.merge_backward_op, dict(
-        grad=rand(*lead, D), partial=partial.detach(), qg=query.detach(), norm_weight=weight.detach(), h=h, s2=s2, w=w,
-        r=r, rr=rr, norm_eps=1e-5, heads=H, eps=1e-6, score="softmax", key_norm=True, o1_needs=True, lse1_needs=False,
-        partial_needs=True, qg_needs=True, weight_needs=True)))
+        grad=rand(*lead, D), partial=partial.detach(), qg=query.detach(),
+        norm_weight=weight.detach(), h=h, s2=s2, w=w, r=r, rr=rr, norm_eps=1e-5, heads=H, eps=1e-6,
+        **softmax, o1_needs=True, lse1_needs=False, partial_needs=True, qg_needs=True,
+        weight_needs=True)))
     v = rand(*lead, D)
     cases.append((cpu.source_grad_op, dict(
-        source=v, inv_rms=inverse_rms(v), queries=[rand(2, D), rand(1, D)], lse=[rand(2, *lead, H), rand(1, *lead, H)],
-        ds=[rand(2, *lead, H), rand(1, *lead, H)], grads=[rand(*lead, D), None, rand(*lead, D)], grad=rand(*lead, D),
-        heads=H, score="softmax", key_norm=True)))
+        source=v, inv_rms=inverse_rms(v), queries=[rand(2, D), rand(1, D)],
+        lse=[rand(2, *lead, H), rand(1, *lead, H)], ds=[rand(2, *lead, H), rand(1, *lead, H)],
+        grads=[rand(*lead, D), None, rand(*lead, D)], grad=rand(*lead, D), heads=H,
+        score="softmax", key_norm=True)))
     cases.append((cpu.decode_read_op, dict(
-        sources=rand(4, *lead, D), count=3, query=rand(D), heads=H, eps=1e-6, score="softmax", key_norm=True,
-        base=rand(*lead, D), gate=0.5, norm_weight=rand(D), norm_eps=1e-5)))
+        sources=rand(4, *lead, D), count=3, query=rand(D), heads=H, eps=1e-6, score="softmax",
+        key_norm=True, base=rand(*lead, D), gate=0.5, norm_weight=rand(D), norm_eps=1e-5)))
     return cases
 
 
@@ -401,8 +407,8 @@ def test_every_custom_op_passes_opcheck(dt):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic
     shapes (``torch.library.opcheck``) of every op, on each of its kinds of call."""
     cases = op_cases(dt)
-    assert {op._opoverload.name() for op, _ in cases} == {f"attnres::cpu_{n}" for n in (
-        "attend", "attend_backward", "merge", "merge_backward", "source_grad", "decode_read")}
+    names = ("attend", "attend_backward", "merge", "merge_backward", "source_grad", "decode_read")
+    assert {op._opoverload.name() for op, _ in cases} == {f"attnres::cpu_{n}" for n in names}
     for op, kwargs in cases:
         torch.library.opcheck(op, (), kwargs)
 
@@ -414,19 +420,25 @@ def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
     """A compiled graph calls the ops (``attend_via_ops``, ``merge_via_ops``); eager mode runs the
     same kernels without the dispatcher: the same outputs and the same gradients, exactly."""
     g = torch.Generator().manual_seed(7)
-    dt = torch.float32
-    sources = [(torch.randn(2, 5, 12, generator=g, dtype=dt) * (1 + j)).requires_grad_() for j in range(4)]
-    qs, ks = torch.randn(3, 12, generator=g).requires_grad_(), (1 + 0.2 * torch.randn(3, 12, generator=g)).requires_grad_()
-    weight = (1 + 0.3 * torch.randn(12, generator=g, dtype=torch.float64)).requires_grad_()  # promotes the output
-    partial = torch.randn(2, 5, 12, generator=g).requires_grad_()
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    sources = [(rand(2, 5, 12) * (1 + j)).requires_grad_() for j in range(4)]
+    qs, ks = rand(3, 12).requires_grad_(), (1 + 0.2 * rand(3, 12)).requires_grad_()
+    weight = (1 + 0.3 * rand(12, dtype=torch.float64)).requires_grad_()  # promotes the output
+    partial = rand(2, 5, 12).requires_grad_()
     inputs = [qs, ks, weight, partial, *sources]
     kw = dict(heads=3, score=score, key_norm=key_norm, norm=Norm(weight) if norm else None)
+    prepared = [inverse_rms(v) for v in sources] if key_norm else None
     results = []
-    for attend, merge in ((backend("cpu").attend, backend("cpu").merge), (cpu.attend_via_ops, cpu.merge_via_ops)):
-        outs, lse = attend(qs, sources, ks, prepared=[inverse_rms(v) for v in sources] if key_norm else None, **kw)
+    cpu_ops = backend("cpu")
+    for attend, merge in ((cpu_ops.attend, cpu_ops.merge), (cpu.attend_via_ops, cpu.merge_via_ops)):
+        outs, lse = attend(qs, sources, ks, prepared=prepared, **kw)
         h = merge(outs[1], lse[1], partial, qs[1], ks[1], **kw)
         picked = [outs[0], outs[2], h] + ([lse] if score == "softmax" else [])
-        cots = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k), dtype=t.dtype) for k, t in enumerate(picked)]
+        cots = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k), dtype=t.dtype)
+                for k, t in enumerate(picked)]
         results.append((picked, list(grads(picked, inputs, cots))))
     (direct, d_grads), (via_ops, o_grads) = results
     for a, b in zip(direct + d_grads, via_ops + o_grads):
@@ -435,8 +447,9 @@ def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
             assert a.dtype == b.dtype
             torch.testing.assert_close(b, a, atol=0, rtol=0)
     with torch.no_grad():
-        buffer, query = torch.randn(4, 2, 1, 12, generator=g), torch.randn(12, generator=g)
-        want = backend("cpu").decode_read(buffer, 3, query, heads=3, score=score, key_norm=key_norm, norm=kw["norm"])
-        got = cpu.decode_read_op(buffer, 3, query, 3, 1e-6, score, key_norm, None, 0.0, weight if norm else None,
-                                 1e-5 if norm else None)
+        buffer, query = rand(4, 2, 1, 12), rand(12)
+        want = cpu_ops.decode_read(buffer, 3, query, heads=3, score=score, key_norm=key_norm,
+                                   norm=kw["norm"])
+        got = cpu.decode_read_op(buffer, 3, query, 3, 1e-6, score, key_norm, None, 0.0,
+                                 weight if norm else None, 1e-5 if norm else None)
     torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -90,6 +90,6 @@ def depth_attention(
         return depth_attention_naive(query, sources, gain, heads=heads, eps=eps, score=score, key_norm=key_norm,
                                      return_weights=True)
     outs, _ = chosen.ops.attend(query.unsqueeze(0), sources,
-                                None if gain is None else gain.unsqueeze(0),
-                                      heads=heads, eps=eps, score=score, key_norm=key_norm, prepared=prepared)
+                                None if gain is None else gain.unsqueeze(0), heads=heads, eps=eps,
+                                score=score, key_norm=key_norm, prepared=prepared)
     return outs[0]

@@ -388,10 +388,11 @@ def _decode_kernel(dtype: torch.dtype):
     return fn
 
 
-def decode_kernel(sources, count, query, *, heads, eps, score, key_norm, base, gate, norm_weight,
+def decode_kernel(sources, count, query, heads, eps, score, key_norm, base, gate, norm_weight,
                   norm_eps):
     """The decode read's kernel on checked inputs (``CpuOps.decode_read``); ``norm_eps`` None:
-    no norm."""
+    no norm. The arguments are ``attnres::cpu_decode_read``'s, in its order (a decode read is a
+    few microseconds: positional arguments cost least)."""
     dt = sources.dtype
     D = sources.shape[-1]
     out = torch.empty(sources.shape[1:], dtype=dt)
@@ -707,9 +708,8 @@ def decode_read_op(sources: Tensor, count: int, query: Tensor, heads: int, eps: 
                    key_norm: bool, base: Tensor | None, gate: float, norm_weight: Tensor | None,
                    norm_eps: float | None) -> Tensor:
     """``decode_kernel`` as an op (autograd off)."""
-    return decode_kernel(sources, count, query, heads=heads, eps=eps, score=score,
-                         key_norm=key_norm, base=base, gate=gate, norm_weight=norm_weight,
-                         norm_eps=norm_eps)
+    return decode_kernel(sources, count, query, heads, eps, score, key_norm, base, gate,
+                         norm_weight, norm_eps)
 
 
 @decode_read_op.register_fake
@@ -835,8 +835,7 @@ class CpuOps(KeyStatisticsOps):
         _check_decode(sources, count, query, heads, base, norm)
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
         call = decode_read_op if torch.compiler.is_compiling() else decode_kernel
-        return call(sources, count, query, heads=heads, eps=eps, score=score, key_norm=key_norm,
-                    base=base, gate=gate, norm_weight=weight, norm_eps=norm_eps)
+        return call(sources, count, query, heads, eps, score, key_norm, base, gate, weight, norm_eps)
 
 
 def _check_decode(sources, count, query, heads, base, norm) -> None:
