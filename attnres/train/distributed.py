@@ -151,15 +151,6 @@ def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def broadcast_flag(flag: bool, info: DistInfo) -> bool:
-    """Rank 0's decision for everyone (e.g. a signal received by one process)."""
-    if not info.distributed:
-        return flag
-    t = torch.tensor([int(flag)], device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> tuple[dict, dict]:
     """Unsharded model and optimizer state dicts on the CPU (collective when distributed)."""
     if not info.distributed:
