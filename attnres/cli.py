@@ -1,4 +1,4 @@
-"""The ``attnres`` command line: compare, train, generate, report, convert, eval."""
+"""The ``attnres`` command line: compare, train, generate, report, convert, export, eval."""
 
 from __future__ import annotations
 
@@ -97,6 +97,22 @@ def cmd_compare(args) -> int:
     return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 
 
+def _resumed_layout(saved, assignments):
+    """A resumed run's saved config with its pipeline settings dropped (back to their defaults)
+    when ``--set run.pp_size=N`` gives it another layout: the ``run.pp_*`` settings that apply are
+    then those given with it."""
+    import dataclasses
+
+    from .train.config import RunConfig
+
+    given = {a.partition("=")[0].strip() for a in assignments}
+    if "run.pp_size" not in given:
+        return saved
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)
+                if f.name.startswith("pp_") and f"run.{f.name}" not in given}
+    return dataclasses.replace(saved, run=dataclasses.replace(saved.run, **defaults))
+
+
 def cmd_train(args) -> int:
     from .train.trainer import train
 
@@ -108,9 +124,9 @@ def cmd_train(args) -> int:
         from .train.run_dir import load_run_config
 
         run_dir = Path(args.run_dir)
-        # the saved settings, with --set (e.g. run.steps=2000 to train further) and --data
-        # (refused by train unless it is the run's own) applied
-        cfg = _config_from_args(args, base=load_run_config(run_dir))
+        # the saved settings, with --set (e.g. run.steps=2000 to train further, or another
+        # layout) and --data (refused by train unless it is the run's own) applied
+        cfg = _config_from_args(args, base=_resumed_layout(load_run_config(run_dir), args.set or []))
     else:
         cfg = _config_from_args(args)
         run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / _run_name(cfg)
@@ -174,6 +190,14 @@ def cmd_convert(args) -> int:
     share = 100 * info["added_parameters"] / info["base_parameters"]
     print(f"converted to {info['model_type']}: added {info['added_parameters']:,} routing parameters "
           f"({share:.4f}% of {info['base_parameters']:,}); saved to {args.dst}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .hf.export import export_run
+
+    info = export_run(args.run_dir, args.out, overwrite=args.overwrite)
+    print(f"exported step {info['step']} ({info['parameters']:,} parameters) of {args.run_dir} to {args.out}")
     return 0
 
 
@@ -245,6 +269,14 @@ def _add_convert(sub) -> None:
     p.set_defaults(fn=cmd_convert)
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a training run's latest checkpoint as a Hugging Face folder")
+    p.add_argument("run_dir", help="the run's folder (one process's checkpoints or a sharded run's)")
+    p.add_argument("out", help="folder to write the model and its byte tokenizer to")
+    p.add_argument("--overwrite", action="store_true", help="replace an output folder that is not empty")
+    p.set_defaults(fn=cmd_export)
+
+
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a saved model with lm-evaluation-harness")
     p.add_argument("model_dir")
@@ -259,7 +291,7 @@ def _add_eval(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")
-    for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_eval):
+    for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval):
         add(sub)
     return parser
 

@@ -245,9 +245,15 @@ class Layer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM with a pluggable residual stream (``config.residual``)."""
+    """Decoder-only LM with a pluggable residual stream (``config.residual``).
 
-    def __init__(self, config: ModelConfig):
+    ``initialize=False`` leaves the weights as the modules' constructors made them, for a caller
+    that runs ``init_weights`` itself (``train/materialize.py``: a distributed rank draws the
+    values one process draws, for its part of the model only). A pipeline rank's model lacks the
+    parts other ranks hold (``train/stage_local.py``): ``tok_embeddings``, ``lm_head`` and
+    sublayers may be None there."""
+
+    def __init__(self, config: ModelConfig, *, initialize: bool = True):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
@@ -265,7 +271,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if initialize:
+            self.init_weights()
 
     def init_weights(self) -> None:
         """The one place weights are initialized: N(0, init_std) for embeddings and projections,

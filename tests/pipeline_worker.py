@@ -44,11 +44,16 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
     x = torch.randint(0, 64, (8, 8), generator=g)
     y = torch.randint(0, 64, (8, 8), generator=g)
     model.zero_grad()
+    with torch.no_grad():  # evaluation: the whole batch at once
+        ref_eval = lm_loss(model(x), y)
     ref_loss = accumulate_gradients(lambda xs, ys: lm_loss(model(xs), ys), x, y, MICROBATCHES)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     model.zero_grad()
-    pipe = build_pipeline(model, schedule, MICROBATCHES, cache=cache)
+    pipe = build_pipeline(model, schedule, MICROBATCHES, cache=cache)  # the rank's part only from here
     loss = pipe.step(x, y)
+    norm = pipe.clip_gradients(1e9)
+    eval_loss = pipe.evaluate(x, y)
     worst, worst_name = 0.0, None
     for name, p in model.named_parameters():
         scale = ref[name].abs().max().clamp_min(1e-12)
@@ -59,7 +64,8 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return dict(loss=float(loss.detach()), ref_loss=float(ref_loss.detach()), max_rel_grad=worst, worst=worst_name,
                 bitwise=bitwise, cached=pipe.cache is not None, received=received_bytes(pipe),
-                left_in_cache=pipe.held_after_step), grads
+                left_in_cache=pipe.held_after_step, held=sorted(model.state_dict()), stages=pipe.stage_indices,
+                eval_loss=float(eval_loss), ref_eval_loss=float(ref_eval), norm=norm, ref_norm=ref_norm), grads
 
 
 def main(out: Path) -> None:

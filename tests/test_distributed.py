@@ -44,11 +44,20 @@ def test_two_ranks_match_one_process(single, tmp_path, parallel):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, single)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
-    # the checkpoint is the full, unsharded model
+    # the checkpoint is sharded (each rank wrote its part: DCP's metadata, one file per rank),
+    # and reads back whole in one process
     from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
 
-    weights, _ = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert (checkpoint / ".metadata").is_file() and not (checkpoint / "model.safetensors").exists()
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    weights, _ = load_checkpoint(checkpoint)
     assert weights["tok_embeddings.weight"].shape == (256, 32)
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1] and all(r["stages"] == [] for r in summary["ranks"])
+    if parallel == "fsdp":  # each rank holds half of every sharded parameter's rows
+        assert all(r["param_count"] < summary["parameters"] for r in summary["ranks"])
+    else:
+        assert all(r["param_count"] == summary["parameters"] for r in summary["ranks"])
 
 
 MOE = ["--set", "model.moe_experts=4", "--set", "model.moe_balance=bias", "--set", "model.moe_bias_rate=0.01",
@@ -89,8 +98,9 @@ def test_moe_on_two_ranks_matches_one_process_with_the_same_micro_batches(single
 
 def test_a_pipelined_run_matches_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
     """attnres train with run.pp_size=2 (1F1B, 2 micro-batches) on two ranks against one process
-    with 2 gradient-accumulation steps: the same losses; the checkpoint is the one-process format,
-    the same weights, and a single process resumes it."""
+    with 2 gradient-accumulation steps: the same losses; the checkpoint is sharded, holds the
+    same weights, and a single process resumes it (the pipeline's settings dropped with
+    run.pp_size=1)."""
     run([sys.executable, "-m", "attnres", "train", *COMMON, "--set", "run.grad_accum=2",
          "--run-dir", str(tmp_path / "single")], tmp_path)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
@@ -107,8 +117,7 @@ def test_a_pipelined_run_matches_one_process_and_its_checkpoint_resumes_in_one(t
     for name, w in weights[0].items():
         torch.testing.assert_close(weights[1][name], w, rtol=1e-5, atol=1e-7, msg=name)
     run([sys.executable, "-m", "attnres", "train", "--run-dir", str(tmp_path / "pp"), "--resume",
-         "--set", "run.steps=6", "--set", "run.pp_size=1", "--set", "run.pp_microbatches=none",
-         "--set", "run.grad_accum=2"], tmp_path)
+         "--set", "run.steps=6", "--set", "run.pp_size=1", "--set", "run.grad_accum=2"], tmp_path)
     assert len(train_losses(tmp_path / "pp")) == 6
 
 

@@ -17,6 +17,7 @@ import torch
 from attnres.train.pipeline import MULTI_STAGE, SCHEDULES, stage_bounds, stage_indices, stage_modules
 from attnres.train.stage_cache import sources_held, use_cache
 
+from .conftest import tiny_model
 from .pipeline_worker import DESIGNS, OTHERS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,34 @@ def test_a_pipelined_step_equals_one_process_with_the_same_micro_batches(results
     # parameters' reads (the schedules that keep one process's accumulation order)
     if schedule not in OTHERS:
         assert all(rank[f"prenorm/{schedule}"]["bitwise"] for rank in results)
+
+
+def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
+    """Each rank's state dict holds exactly its stages' sublayers, the embedding where the first
+    stage lives, the head where the last lives, and the stream; evaluation through the pipeline
+    gives one process's loss bit for bit, and the gradient norm summed over the pipeline (the
+    stream's rows counted once) one process's within 1e-6."""
+    from attnres.model import Transformer
+    from attnres.train.pipeline import rank_part
+    from attnres.train.stage_local import trim
+
+    checked = 0
+    for index, rank in enumerate(results):
+        for key, r in rank.items():
+            design, schedule = key.split("/")[:2]
+            config = tiny_model(design, n_layers=4).config
+            with torch.device("meta"):
+                expected = trim(Transformer(config, initialize=False), rank_part(config, schedule, index, 2))
+            assert r["held"] == sorted(expected.state_dict()), key
+            assert r["stages"] == stage_indices(schedule, index, 2)
+            assert r["eval_loss"] == r["ref_eval_loss"], (key, r)
+            assert abs(r["norm"] - r["ref_norm"]) <= 1e-6 * r["ref_norm"], (key, r)
+            checked += 1
+    held = results[0]["block/1f1b"]["held"]
+    assert "tok_embeddings.weight" in held and "lm_head.weight" not in held
+    assert "layers.0.attn.wq.weight" in held and "layers.2.attn.wq.weight" not in held
+    assert "lm_head.weight" in results[1]["block/1f1b"]["held"]
+    assert checked >= 60
 
 
 CACHED = ("block", "mhar", "mhar-uneven", "full", "delta")

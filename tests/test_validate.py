@@ -95,8 +95,6 @@ CASES = [
     ({**PP, "run.pp_microbatches": 4, "run.pp_schedule": "gpipe"}, 4,
      "run.pp_size=2, run.pp_schedule='gpipe': 4 micro-batches must be a positive integer dividing the batch of 2 "
      "(each of the 2 copies of the pipeline takes 2 of run.batch_size=4)"),
-    ({**PP, "run.parallel": "fsdp"}, 2, "run.pp_size=2: the copies of a pipeline average their gradients as DDP "
-     "does; run.parallel='fsdp' is not supported with it"),
     ({}, 0, "processes=0 must be a positive integer (the job's world size)"),
 ]
 

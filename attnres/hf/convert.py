@@ -275,6 +275,25 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
 
 
+def replace_folder(dst: Path, fill) -> None:
+    """``fill(folder)`` into a temporary folder beside ``dst``, renamed to ``dst`` when complete
+    (an old ``dst`` removed only then): an interrupted write leaves ``dst`` as it was."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        fill(tmp)
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
+            os.replace(dst, old / dst.name)
+            os.replace(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int | list[int] = 4,
                        overwrite: bool = False) -> dict:
     """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
@@ -286,23 +305,14 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, bloc
     src, dst = Path(src), Path(dst)
     check_destination(src, dst, overwrite)
     model = convert(src, heads=heads, block_layers=block_layers)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        model.save_pretrained(str(tmp))
+
+    def fill(folder: Path) -> None:
+        model.save_pretrained(str(folder))
         for name in TOKENIZER_FILES:
             if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+                shutil.copy2(src / name, folder / name)
+
+    replace_folder(dst, fill)
     added = sum(p.numel() for p in routing_parameters(model).values())
     return {"added_parameters": added, "base_parameters": sum(p.numel() for p in model.parameters()) - added,
             "model_type": model.config.model_type}

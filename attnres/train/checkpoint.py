@@ -1,8 +1,10 @@
 """Checkpoints: data, not code, written atomically.
 
-A checkpoint is a folder ``step-NNNNNNN/`` holding ``model.safetensors`` (weights) and
-``state.pt`` (optimizer state, RNG state, step, config; plain tensors and containers, loaded with
-``weights_only=True``). It is written under a temporary name, every file fsynced, then renamed;
+A checkpoint of one process is a folder ``step-NNNNNNN/`` holding ``model.safetensors``
+(weights) and ``state.pt`` (optimizer state, RNG state, step, config; plain tensors and
+containers, loaded with ``weights_only=True``). A run of several processes writes the same
+folder sharded instead (``train/sharded.py``: DCP's files for the model and the optimizer, and
+``state.pt`` without the optimizer); every function here reads both. It is written under a temporary name, every file fsynced, then renamed;
 the file ``latest`` (itself replaced atomically) names the newest complete checkpoint. A crash or
 a full disk mid-write leaves the previous checkpoint untouched and ``latest`` pointing at it.
 """
@@ -56,14 +58,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, train_state: 
         weights = {k: v.detach().contiguous().clone() for k, v in model_state.items()}
         _write_file(tmp / "model.safetensors", lambda p: save_file(weights, str(p)))
         _write_file(tmp / "state.pt", lambda p: torch.save(train_state, p))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = ckpt_root / ".latest.tmp"
-        _write_file(latest_tmp, lambda p: p.write_text(final.name))
-        os.replace(latest_tmp, ckpt_root / "latest")
-        _fsync_dir(ckpt_root)
+        publish(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(ckpt_root)
@@ -71,6 +66,20 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, train_state: 
         raise CheckpointError(f"saving checkpoint {final} failed ({exc.strerror or exc}); {kept}") from exc
     _prune(ckpt_root, keep=final)
     return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make the complete checkpoint written in folder ``tmp`` the checkpoint ``final`` (same
+    parent): its files synced, renamed into place, then ``latest`` replaced to name it."""
+    ckpt_root = final.parent
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = ckpt_root / ".latest.tmp"
+    _write_file(latest_tmp, lambda p: p.write_text(final.name))
+    os.replace(latest_tmp, ckpt_root / "latest")
+    _fsync_dir(ckpt_root)
 
 
 def _prune(ckpt_root: Path, keep: Path) -> None:
@@ -108,18 +117,27 @@ STATE_KEYS = {"optimizer": (dict, "the optimizer's state"), "rng": (torch.Tensor
               "step": (int, "the step"), "config": (dict, "the run's config")}
 
 
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint folder ``path`` was written by several processes (DCP's metadata)."""
+    return (Path(path) / ".metadata").is_file()
+
+
 def check_state(state, path: Path) -> None:
     """``CheckpointError`` unless ``state`` (``state.pt``'s content) holds ``STATE_KEYS`` of
-    their types, an optimizer state with its ``state`` and ``param_groups``, a step >= 0."""
+    their types (a sharded checkpoint's optimizer lives with its shards), an optimizer state
+    with its ``state`` and ``param_groups``, a step >= 0."""
     where = path / "state.pt"
     if not isinstance(state, dict):
         raise CheckpointError(f"{where} holds {type(state).__name__}, not a checkpoint's state")
+    sharded = is_sharded(path)
     for key, (kind, what) in STATE_KEYS.items():
+        if sharded and key == "optimizer":
+            continue
         if key not in state:
             raise CheckpointError(f"{where} lacks {key!r} ({what}); was it edited by hand?")
         if not isinstance(state[key], kind) or (kind is int and isinstance(state[key], bool)):
             raise CheckpointError(f"{where}: {key!r} ({what}) is {type(state[key]).__name__}, not {kind.__name__}")
-    optim = state["optimizer"]
+    optim = state.get("optimizer", {"state": {}, "param_groups": []})
     if not isinstance(optim.get("state"), dict) or not isinstance(optim.get("param_groups"), list):
         raise CheckpointError(f"{where}: the optimizer's state lacks 'state' or 'param_groups'")
     rng = state["rng"]
@@ -157,13 +175,30 @@ def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tu
     so does a state of another content (``check_state``) or a model other than
     ``expected_model`` (its config in ``state.pt``, its weights' names and shapes)."""
     path = Path(path)
-    missing = [n for n in ("model.safetensors", "state.pt") if not (path / n).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {missing} missing")
+    state = load_train_state(path, expected_model)
+    if is_sharded(path):  # the whole model's weights read from the shards, in this process
+        from .config import load_saved
+        from .sharded import read_weights
+
+        config = expected_model or load_saved(state["config"]).model
+        return read_weights(path, config), state
     try:
         weights = load_file(str(path / "model.safetensors"))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{path / 'model.safetensors'} is corrupt or not a model's weights: {exc}") from None
+    if expected_model is not None:
+        check_weights(weights, expected_model, path)
+    return weights, state
+
+
+def load_train_state(path: Path, expected_model: ModelConfig | None = None) -> dict:
+    """``state.pt`` of checkpoint folder ``path`` (either format), its files present; with
+    ``expected_model`` checked as ``load_checkpoint`` does, the weights aside."""
+    path = Path(path)
+    files = ("state.pt", ".metadata") if is_sharded(path) else ("model.safetensors", "state.pt")
+    missing = [n for n in files if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {missing} missing")
     try:
         state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError, TypeError,
@@ -185,5 +220,4 @@ def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tu
             raise CheckpointError(
                 f"checkpoint {path} was written for another model (fields differ: {diff})"
             )
-        check_weights(weights, expected_model, path)
-    return weights, state
+    return state

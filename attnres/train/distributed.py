@@ -1,5 +1,6 @@
-"""Everything that touches ``torch.distributed``: process group, DDP/FSDP2 wrapping, reductions,
-and full state dicts. Model code stays single-device; parallelism is applied from outside.
+"""Everything that touches ``torch.distributed`` outside the pipeline and the sharded
+checkpoints: process group, DDP/FSDP2 wrapping, reductions. Model code stays single-device;
+parallelism is applied from outside.
 
 Under ``torchrun`` (``WORLD_SIZE > 1``) the process group starts with NCCL on CUDA and gloo on the
 CPU. Wrapping order: FSDP2 ``fully_shard`` on each sublayer (attention, MLP), then on the root (which
@@ -149,27 +150,6 @@ def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
-
-
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> tuple[dict, dict]:
-    """Unsharded model and optimizer state dicts on the CPU (collective when distributed)."""
-    if not info.distributed:
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optim_state: dict, info: DistInfo) -> None:
-    if not info.distributed:
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optim_state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
 
 
 def barrier() -> None:

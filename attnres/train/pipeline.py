@@ -6,13 +6,16 @@ the output and applies the head. Between stages travels ``stream.split_state(sta
 completed sources, then the rest), and the receiving stage rebuilds the state with
 ``stream.join_state``, preparing the sources again for its own routing.
 
-Every rank keeps the whole model; a rank runs only its stages' sublayers, so its gradients hold
-only their part. After the schedule's backward each gradient is divided by the number of
-micro-batches and summed over the pipeline ranks: every rank then holds the full gradient, takes
-the same optimizer step and keeps the same weights, and a checkpoint is written as one process
-writes it. Parameters read by several stages (the stream's per-site rows, Delta's null source,
-tied embeddings) need no other care. Beside the pipeline, data parallelism runs copies of it on
-a 2-D device mesh ``(dp, pp)``, each on its part of the batch, their gradients averaged.
+Each rank holds, initializes and optimizes only what its stages run (``stage_local.Part``: its
+sublayers, the embedding with the first stage, the head with the last, and the stream); the
+builder removes the rest from the model it is given (``stage_local.trim``). After the schedule's
+backward each gradient is divided by the number of micro-batches; the parameters several ranks
+hold (the stream's per-site rows, Delta's null source, a tied embedding: ``stage_local
+.shared_names``) have their gradients summed over the pipeline, and no other gradient crosses
+it. Beside the pipeline, data parallelism runs copies of it on a 2-D device mesh ``(dp, pp)``,
+each on its part of the batch: ``run.parallel=ddp`` averages every gradient over the copies;
+``fsdp`` shards each held sublayer, the embedding and the head over the ``dp`` ranks with FSDP2
+(their gradients reduce-scattered as FSDP2 does) and averages the stream's.
 
 With several stages per rank and the AttnRes family, the cross-stage cache (``stage_cache``)
 keeps on each rank the completed sources it has seen, and a hop sends only the others.
@@ -36,6 +39,7 @@ from torch import nn
 
 from ..model import Transformer, lm_loss
 from .stage_cache import SourceCache, sources_held, use_cache
+from .stage_local import Part, shared_names, shared_parameter, trim
 from .validate import MULTI_STAGE, V_SHAPED, check_pipeline, stage_sizes, stages_per_rank
 
 #: each schedule's class in ``torch.distributed.pipelining`` (imported when a pipeline is built);
@@ -61,25 +65,47 @@ def stage_indices(schedule: str, rank: int, ranks: int, per_rank: int | None = N
     return [rank + k * ranks for k in range(v)]
 
 
+@dataclass
+class Groups:
+    """This rank's place on the ``(dp, pp)`` device mesh: ``pipeline``, the group of its
+    pipeline's ranks; ``replicas``, the ranks holding the same stages in the other copies (None
+    with one copy); ``dp_mesh``, the 1-D mesh of those (what FSDP2 shards over); the copy's index
+    and the number of copies."""
+
+    pipeline: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None
+    dp_mesh: object
+    replica_index: int
+    replica_count: int
+
+
 @torch.no_grad()
-def pipeline_groups(pp_size: int):
-    """``(pipeline, replicas, replica_index, replica_count)`` for this rank of a job of
-    ``pp_size`` pipeline ranks times ``world / pp_size`` replicas, on a 2-D device mesh
-    ``(dp, pp)``: rank ``r`` is stage rank ``r % pp_size`` of replica ``r // pp_size``."""
+def pipeline_groups(pp_size: int) -> Groups:
+    """The groups of this rank in a job of ``pp_size`` pipeline ranks times ``world / pp_size``
+    copies, on a 2-D device mesh ``(dp, pp)``: rank ``r`` is stage rank ``r % pp_size`` of copy
+    ``r // pp_size``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world // pp_size, pp_size), mesh_dim_names=("dp", "pp"))
     replicas = mesh["dp"].get_group() if world > pp_size else None
-    return mesh["pp"].get_group(), replicas, mesh.get_local_rank("dp"), world // pp_size
+    return Groups(mesh["pp"].get_group(), replicas, mesh["dp"], mesh.get_local_rank("dp"), world // pp_size)
+
+
+def rank_part(config, schedule: str, rank: int, ranks: int, per_rank: int | None = None, split=None) -> Part:
+    """What pipeline rank ``rank`` of ``ranks`` holds under ``schedule`` (``stage_local.Part``)."""
+    n_stages = ranks * stages_per_rank(schedule, per_rank)
+    bounds = stage_bounds(config.num_sublayers, n_stages, split)
+    return Part.of_stages([bounds[s] for s in stage_indices(schedule, rank, ranks, per_rank)], config.num_sublayers)
 
 
 def boundary_layout(model: Transformer, cut: int) -> int:
     """How many of the tensors that cross the boundary before sublayer ``cut`` are completed
     sources (``split_state``'s first part), found by running the stream on one zero token."""
     stream = model.stream
-    e = torch.zeros(1, 1, model.config.dim, dtype=model.tok_embeddings.weight.dtype)
+    like = next(iter(stream.parameters()), torch.zeros(()))
+    e = torch.zeros(1, 1, model.config.dim, dtype=like.dtype, device=like.device)
     state = stream.init(e)
     for i in range(cut):
         state = stream.write(state, i, torch.zeros_like(e))
@@ -175,6 +201,12 @@ class Pipeline:
     #: the entries the cache still held when the last step's schedule ended (0: each
     #: micro-batch's were freed by its rank's last stage)
     held_after_step: int = 0
+    #: the parameters several pipeline ranks hold (``stage_local.shared_names``), on every rank
+    shared: tuple[str, ...] = ()
+    #: the names of the parameters FSDP2 shards over ``replicas`` (reduced by it), or empty
+    sharded: frozenset[str] = frozenset()
+    #: the pipeline rank of each stage
+    owners: tuple[int, ...] = ()
 
     @property
     def has_first(self) -> bool:
@@ -184,52 +216,204 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one optimizer step's batch ``x, y`` ``[B, T]`` (the same on
-        every rank of the pipeline; each replica its own) in ``microbatches`` micro-batches;
-        returns the mean loss (a detached scalar, on every rank). Afterwards every parameter's
-        gradient is the mean over the micro-batches (and the replicas) of the whole model's, as
-        ``accumulate_gradients`` over all of those micro-batches in one process gives."""
-        losses: list[torch.Tensor] = []
-        args = (x,) if self.has_first else ()
-        kwargs = dict(target=y, losses=losses, return_outputs=False) if self.has_last else {}
+    @property
+    def stage_indices(self) -> list[int]:
+        return [s.stage_index for s in self.stages]
+
+    def _kwargs(self, y: torch.Tensor, losses: list) -> dict:
+        kwargs = dict(target=y, losses=losses) if self.has_last else {}
         if self.cache is not None:  # every stage learns which micro-batch it runs (on the host: no sync)
             kwargs["microbatch"] = torch.arange(self.microbatches)
             self.cache.clear()
+        return kwargs
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one optimizer step's batch ``x, y`` ``[B, T]`` (the same on
+        every rank of the pipeline; each replica its own) in ``microbatches`` micro-batches;
+        returns the mean loss (a detached scalar, on every rank). Afterwards every parameter
+        this rank holds has as gradient the mean over the micro-batches (and the replicas) of
+        one process's, as ``accumulate_gradients`` over all of those micro-batches gives."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs = self._kwargs(y, losses)
+        if self.has_last:
+            kwargs["return_outputs"] = False
         self.schedule.step(*args, **kwargs)
         if self.cache is not None:
             self.held_after_step = len(self.cache)
             self.cache.check_delivered()
             self.cache.clear()
-        for p in self.model.parameters():
-            if not p.requires_grad:
+        self._reduce_gradients()
+        return self._mean_loss(losses, x.device)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of ``x, y`` ``[B, T]`` through the pipeline, forward only, the batch as one
+        micro-batch: every rank walks the stages in order, running its own and passing each
+        result to the next stage's rank. Returns the loss on every rank of the pipeline (this
+        copy's; the caller averages the copies)."""
+        me = dist.get_rank(self.group)
+        modules = {s.stage_index: s.submod for s in self.stages}
+        kwargs = {"microbatch": torch.zeros(1, dtype=torch.long)} if self.cache is not None else {}
+        loss = torch.zeros((), device=x.device)
+        held = None
+        for s, rank in enumerate(self.owners):
+            if rank != me:
                 continue
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            grad.div_(self.microbatches * self._replica_count)
-            dist.all_reduce(grad, group=self.group)
-            if self.replicas is not None:
-                dist.all_reduce(grad, group=self.replicas)
-            p.grad = grad
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
+            if s == 0:
+                inputs = (x,)
+            elif self.owners[s - 1] == me:
+                inputs = held
+            else:
+                inputs = _receive(self.group, self.owners[s - 1], x.device)
+            out = modules[s](*inputs, **kwargs)
+            if s == len(self.owners) - 1:
+                loss = lm_loss(out, y)
+            elif self.owners[s + 1] == me:
+                held = out
+            else:
+                _send(out, self.group, self.owners[s + 1])
+        if self.cache is not None:
+            self.cache.clear()
+        dist.all_reduce(loss, group=self.group)  # from the rank that holds the last stage
+        return loss
+
+    def _mean_loss(self, losses: list, device) -> torch.Tensor:
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
         dist.all_reduce(loss, group=self.group)  # from the rank that holds the last stage
         if self.replicas is not None:
             dist.all_reduce(loss, group=self.replicas)
             loss /= self._replica_count
         return loss
 
+    def _reduce_gradients(self) -> None:
+        """Each held gradient divided by the micro-batches; the shared ones summed over the
+        pipeline (a rank that does not hold one sends zeros); the others averaged over the
+        replicas unless FSDP2 already reduced them."""
+        named = dict(self.model.named_parameters())
+        for name, p in named.items():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.div_(self.microbatches)
+        for name in self.shared:
+            p = shared_parameter(self.model, name)
+            if p is None:
+                grad = torch.zeros(_local_shape(self, name), device=self._device)
+            else:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=self.group)
+        if self.replicas is None:
+            return
+        for name, p in named.items():
+            if p.requires_grad and name not in self.sharded:
+                dist.all_reduce(p.grad, group=self.replicas)
+                p.grad.div_(self._replica_count)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.stages[0].device
+
     @property
     def _replica_count(self) -> int:
         return 1 if self.replicas is None else dist.get_world_size(self.replicas)
 
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale every gradient so that the whole model's L2 norm is at most ``max_norm``;
+        returns the norm before. The squares of each rank's gradients are summed over the
+        pipeline, a shared parameter counted once (by the first pipeline rank that holds it),
+        FSDP2's shards over the replicas."""
+        counted = self._counted_shared()
+        shared = {id(shared_parameter(self.model, n)): n for n in self.shared}
+        plain = torch.zeros((), dtype=torch.float64, device=self._device)
+        sharded = torch.zeros((), dtype=torch.float64, device=self._device)
+        params = []
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            params.append(p)
+            if id(p) in shared and shared[id(p)] not in counted:
+                continue
+            if name in self.sharded:
+                sharded += p.grad.to_local().double().pow(2).sum()
+            else:
+                plain += p.grad.double().pow(2).sum()
+        if self.replicas is not None and self.sharded:
+            dist.all_reduce(sharded, group=self.replicas)
+        total = plain + sharded
+        dist.all_reduce(total, group=self.group)
+        norm = float(total.sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for p in params:
+                p.grad.mul_(scale)
+        return norm
+
+    def _counted_shared(self) -> set[str]:
+        """The shared parameters whose squares this rank counts: those it holds where no lower
+        pipeline rank does."""
+        rank, ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
+        held = torch.tensor([float(shared_parameter(self.model, n) is not None) for n in self.shared])
+        every = [torch.zeros_like(held) for _ in range(ranks)]
+        dist.all_gather(every, held, group=self.group)
+        return {n for k, n in enumerate(self.shared) if held[k] and not any(every[r][k] for r in range(rank))}
+
+
+def _send(tensors, group, rank: int) -> None:
+    """``tensors`` to pipeline rank ``rank``, their shapes and dtypes first."""
+    dst = rank if group is None else dist.get_global_rank(group, rank)
+    dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], dst=dst, group=group)
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst, group=group)
+
+
+def _receive(group, rank: int, device) -> tuple[torch.Tensor, ...]:
+    """What ``_send`` sent from pipeline rank ``rank``."""
+    src = rank if group is None else dist.get_global_rank(group, rank)
+    header = [None]
+    dist.recv_object_list(header, src=src, group=group)
+    tensors = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in header[0])
+    for t in tensors:
+        dist.recv(t, src=src, group=group)
+    return tensors
+
+
+def _local_shape(pipe: Pipeline, name: str) -> tuple[int, ...]:
+    """The shape of shared parameter ``name``'s gradient on a rank that holds it: a tied
+    embedding ``[V, D]``, or its FSDP2 shard of rows (``torch.chunk`` over the replicas)."""
+    c = pipe.model.config
+    rows = c.vocab_size
+    if pipe.sharded:  # FSDP2 shards the holders' embedding and head
+        chunk = -(-rows // pipe._replica_count)
+        index = dist.get_rank(pipe.replicas)
+        rows = max(0, min(chunk, rows - index * chunk))
+    return (rows, c.dim)
+
+
+def shard_stages(model: Transformer, dp_mesh) -> frozenset[str]:
+    """FSDP2 over ``dp_mesh`` on each module of this rank's part that runs its own forward (the
+    sublayers, the embedding, the head); the stream's parameters, read by the stages piece by
+    piece, stay whole. Returns the names of the sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = [m for layer in model.layers for m in (layer.attn, layer.mlp) if m is not None]
+    modules += [m for m in (model.tok_embeddings, model.lm_head) if m is not None]
+    for module in modules:
+        fully_shard(module, mesh=dp_mesh)
+    return frozenset(name for name, _ in model.named_parameters() if not name.startswith("stream."))
+
 
 def build_pipeline(model: Transformer, schedule: str, microbatches: int | None = None, *, per_rank: int | None = None,
                    split=None, group: dist.ProcessGroup | None = None, replicas: dist.ProcessGroup | None = None,
-                   device: torch.device | None = None, cache: str = "auto") -> Pipeline:
+                   device: torch.device | None = None, cache: str = "auto", dp_mesh=None) -> Pipeline:
     """This rank's stages of ``model`` over the ranks of ``group`` (default: every rank) and
     ``schedule`` (one of ``SCHEDULES``) over ``microbatches`` micro-batches per step (default: one
-    per stage). ``replicas``: the ranks holding the same stages in the other copies of the
-    pipeline (data parallelism beside it; each feeds its own part of the batch), whose
-    gradients are averaged.
+    per stage). ``model`` loses the parts the rank does not hold (``stage_local.trim``; a model
+    built for the rank, ``materialize.rank_model``, has none of them). ``replicas``: the ranks
+    holding the same stages in the other copies of the pipeline (data parallelism beside it;
+    each feeds its own part of the batch), whose gradients are averaged; with ``dp_mesh`` (the
+    1-D mesh of the replicas), FSDP2 shards the rank's modules over them instead.
     ``per_rank``: stages per rank (``stages_per_rank``); ``split``: sublayers per stage
     (default: as even as they go); ``cache``: the cross-stage cache of completed sources
     (``stage_cache``), ``auto`` (on for the AttnRes family with several stages per rank),
@@ -242,10 +426,13 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     n_stages, microbatches = check_pipeline(schedule, ranks, model.config.num_sublayers, None, microbatches,
                                             per_rank, split)
+    parts = [rank_part(model.config, schedule, r, ranks, per_rank, split) for r in range(ranks)]
+    trim(model, parts[rank])
+    sharded = shard_stages(model, dp_mesh) if dp_mesh is not None else frozenset()
     caching = use_cache(cache, model.config.residual, stages_per_rank(schedule, per_rank))
     modules = stage_modules(model, schedule, ranks, per_rank, split, caching)
     indices = stage_indices(schedule, rank, ranks, per_rank)
-    device = device or model.lm_head.weight.device
+    device = device or next(model.parameters()).device
     stages = []
     for index in indices:
         module = modules[index]
@@ -260,4 +447,6 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     # the gradients are scaled once, after the step: two local stages share the model's parameters
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)
-    return Pipeline(model, run, stages, microbatches, group, replicas, modules[indices[0]].cache)
+    owners = tuple(r for s in range(n_stages) for r in range(ranks) if s in stage_indices(schedule, r, ranks, per_rank))
+    return Pipeline(model, run, stages, microbatches, group, replicas, modules[indices[0]].cache,
+                    shared=tuple(shared_names(model.config, parts)), sharded=sharded, owners=owners)

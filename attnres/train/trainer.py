@@ -38,12 +38,16 @@ from torch import nn
 from ..model import Transformer, lm_loss, param_groups
 from . import distributed as dist
 from . import lock
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
+                         save_checkpoint)
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
-from .pipeline import Pipeline, build_pipeline, pipeline_groups
+from .materialize import rank_model
+from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups, rank_part
 from .resources import check_memory
+from .stage_local import Part, parameter_count, rank_footprint
 from .run_dir import Metrics, check_run_dir, remove_run, write_json
+from .sharded import load_full, load_sharded, save_sharded
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
@@ -93,14 +97,12 @@ def peak_memory_mib(device: torch.device) -> float:
 class Placement:
     """Where this process runs: its rank and device (``info``) and its part of every batch,
     data-parallel rank ``dp_rank`` of ``dp_size`` (the ranks of one pipeline share their copy's
-    part); in a pipeline, the group of its stages and the ranks holding the same stages in the
-    other copies (``replicas``, None with one copy)."""
+    part); in a pipeline, its groups on the ``(dp, pp)`` mesh (``pipeline.Groups``)."""
 
     info: dist.DistInfo
     dp_rank: int
     dp_size: int
-    pipeline_group: object = None
-    replicas: object = None
+    groups: Groups | None = None
 
 
 def start_processes(cfg: TrainConfig) -> Placement:
@@ -108,8 +110,8 @@ def start_processes(cfg: TrainConfig) -> Placement:
     info = dist.setup(cfg.run.device)
     if cfg.run.pp_size == 1:
         return Placement(info, info.rank, info.world_size)
-    group, replicas, dp_rank, dp_size = pipeline_groups(cfg.run.pp_size)
-    return Placement(info, dp_rank, dp_size, group, replicas)
+    groups = pipeline_groups(cfg.run.pp_size)
+    return Placement(info, groups.replica_index, groups.replica_count, groups)
 
 
 def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> tuple[TrainConfig, Corpus]:
@@ -126,17 +128,27 @@ def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> 
 
 def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Module, nn.Module, Pipeline | None]:
     """``(model, wrapped, forward, pipe)``: the model, initialized from ``run.seed`` on this
-    process's device; ``wrapped`` in DDP/FSDP2 when data parallel (the model itself in a
-    pipeline); ``forward``, what a micro-batch's loss runs through (``wrapped``, compiled with
-    ``run.compile``); ``pipe``, this rank's stages of the pipeline, or None."""
-    r = cfg.run
-    torch.manual_seed(r.seed)
-    model = Transformer(cfg.model).to(place.info.device)
+    process's device (one process's values under every layout; a distributed rank builds it on
+    the meta device and materializes only its part, ``materialize.rank_model``); ``wrapped`` in
+    DDP/FSDP2 when data parallel (the model itself in a pipeline); ``forward``, what a
+    micro-batch's loss runs through (``wrapped``, compiled with ``run.compile``); ``pipe``, this
+    rank's stages of the pipeline, or None."""
+    r, device = cfg.run, place.info.device
     if r.pp_size > 1:
+        g = place.groups
+        part = rank_part(cfg.model, r.pp_schedule, torch.distributed.get_rank(g.pipeline), r.pp_size,
+                         r.pp_stages_per_rank, r.pp_split)
+        model = rank_model(cfg.model, r.seed, part, device)
+        shard = r.parallel == "fsdp" and g.replicas is not None
         pipe = build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank,
-                              split=r.pp_split, group=place.pipeline_group, replicas=place.replicas,
-                              device=place.info.device, cache=r.pp_cache)
+                              split=r.pp_split, group=g.pipeline, replicas=g.replicas, device=device,
+                              cache=r.pp_cache, dp_mesh=g.dp_mesh if shard else None)
         return model, model, model, pipe
+    if place.info.distributed:
+        model = rank_model(cfg.model, r.seed, Part.whole(cfg.model), device)
+    else:
+        torch.manual_seed(r.seed)
+        model = Transformer(cfg.model).to(device)
     wrapped = dist.wrap(model, r.parallel, place.info)
     return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
 
@@ -222,10 +234,11 @@ def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement) -> 
 @dataclass
 class ResumePoint:
     """The checkpoint a resumed run continues from, read and checked before any work: its
-    folder, weights and state (``state.pt``)."""
+    folder, its weights (a one-process checkpoint; a sharded one is read rank by rank when it is
+    restored: None) and state (``state.pt``)."""
 
     path: Path
-    weights: dict
+    weights: dict | None
     state: dict
 
 
@@ -241,6 +254,16 @@ def _same_data(saved: dict, given: dict) -> list[str]:
             if norm(k, saved.get(k)) != norm(k, v)]
 
 
+#: what a resumed run keeps from the saved one: the global batch it draws each step
+KEPT_ON_RESUME = ("batch_size", "seq_len", "seed")
+
+
+def _same_run(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The ``run.*`` fields of ``KEPT_ON_RESUME`` where the saved settings and ``cfg`` differ."""
+    return [f"run.{k}: the run's {saved[k]!r}, given {getattr(cfg.run, k)!r}" for k in KEPT_ON_RESUME
+            if k in saved and saved[k] != getattr(cfg.run, k)]
+
+
 def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
     """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
     data: a resumed run continues on the batches it was drawing) and refused when it already
@@ -249,7 +272,16 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
     path = latest_checkpoint(ckpt_root)
     if path is None:
         raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
-    weights, state = load_checkpoint(path, cfg.model)
+    if is_sharded(path):
+        weights, state = None, load_train_state(path, cfg.model)
+    else:
+        weights, state = load_checkpoint(path, cfg.model)
+    saved_run = state["config"].get("run")
+    changed = _same_run(saved_run if isinstance(saved_run, dict) else {}, cfg)
+    if changed:
+        raise ValueError(f"--resume continues the run in {run_dir} on its own batches, and {'; '.join(changed)}: "
+                         f"a resumed run may change its layout (run.parallel, run.pp_*, run.grad_accum, the number "
+                         f"of processes), not its batch")
     saved_data = state["config"].get("data")
     differ = _same_data(saved_data if isinstance(saved_data, dict) else {}, to_dict(cfg)["data"])
     if differ:
@@ -266,10 +298,19 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
 
 def restore(run: Run, point: ResumePoint) -> None:
     """Continue from ``point`` (``resume_point``) exactly where it stopped: the weights, the
-    optimizer, the RNG, the step and the gradient-norm statistics."""
+    optimizer, the RNG, the step and the gradient-norm statistics. A checkpoint of any layout
+    loads into any other: a sharded one through DCP (``sharded.load_sharded``), a one-process one
+    into one process as it was saved, or into each rank's part (``sharded.load_full``)."""
     state = point.state
     try:
-        dist.load_full_state(run.model, run.optimizer, point.weights, state["optimizer"], run.info)
+        if point.weights is None:
+            load_sharded(point.path, run.model, run.optimizer)
+        elif not run.info.distributed:
+            run.model.load_state_dict(point.weights)
+            run.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_full(run.model, run.optimizer, point.weights, state["optimizer"], run.cfg.model,
+                      run.cfg.optim.weight_decay)
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state does not fit the model "
                               f"({str(exc).splitlines()[0][:200]})") from None
@@ -285,14 +326,15 @@ def restore(run: Run, point: ResumePoint) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint ``step``: the full weights and optimizer state (gathered from every rank), the
-    RNG, the config and the gradient-norm statistics, written by the main rank."""
-    model_state, optim_state = dist.full_state(run.model, run.optimizer, run.info)
-    if run.info.is_main:
-        train_state = dict(optimizer=optim_state, rng=torch.get_rng_state(), step=step, config=to_dict(run.cfg),
-                           **run.grad_norms.state())
-        save_checkpoint(run.ckpt_root, step, model_state, train_state)
-    dist.barrier()
+    """Checkpoint ``step``: the weights and optimizer state, the RNG, the config and the
+    gradient-norm statistics; one process writes them whole, several write their own shards
+    (``sharded.save_sharded``), nothing gathered."""
+    train_state = dict(rng=torch.get_rng_state(), step=step, config=to_dict(run.cfg), **run.grad_norms.state())
+    if run.info.distributed:
+        save_sharded(run.ckpt_root, step, run.model, run.optimizer, train_state)
+    else:
+        save_checkpoint(run.ckpt_root, step, run.model.state_dict(),
+                        dict(optimizer=run.optimizer.state_dict(), **train_state))
 
 
 # -- 4. the steps ----------------------------------------------------------------------------
@@ -338,7 +380,10 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
             f"loss is {loss} at step {step + 1}; stopping. The last good checkpoint "
             f"({latest_checkpoint(run.ckpt_root) or 'none yet'}) is kept; lower optim.lr or raise optim.warmup_steps"
         )
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), o.grad_clip))
+    if run.pipe is not None:  # the norm of the whole model's gradients, summed over the pipeline
+        grad_norm = run.pipe.clip_gradients(o.grad_clip)
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), o.grad_clip))
     if step >= int(r.steps * 0.9) and not run.info.distributed:
         run.grad_norms.add(run.model)
     run.optimizer.step()
@@ -348,10 +393,10 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
 
 @torch.no_grad()
 def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_rank: int | None = None,
-             dp_size: int | None = None) -> float:
+             dp_size: int | None = None, pipe: Pipeline | None = None) -> float:
     """Mean validation loss over ``run.eval_batches`` fixed batches (the same for every run),
     each split over the ``dp_size`` data-parallel ranks (default: every rank; the ranks of one
-    pipeline, which all hold the whole model, evaluate the same part)."""
+    pipeline evaluate their copy's part through it, ``pipe``)."""
     r = cfg.run
     dp_rank, dp_size = (info.rank, info.world_size) if dp_size is None else (dp_rank, dp_size)
     was_training = model.training
@@ -360,9 +405,10 @@ def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_
     losses = []
     for i in range(r.eval_batches):
         x, y = batch_at(tokens, r.batch_size, r.seq_len, EVAL_SEED, i)
-        x, y = x[dp_rank * per_rank : (dp_rank + 1) * per_rank], y[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        x, y = x[rows].to(info.device), y[rows].to(info.device)
         with autocast():
-            losses.append(lm_loss(model(x.to(info.device)), y.to(info.device)))
+            losses.append(pipe.evaluate(x, y) if pipe is not None else lm_loss(model(x), y))
     model.train(was_training)
     return float(dist.mean_across_ranks(torch.stack(losses).mean()))
 
@@ -420,6 +466,8 @@ class Progress:
     last_loss: float = float("nan")
     val_loss: float | None = None
     signal: int | None = None
+    #: this rank's parameters and their state after the job's first step (``rank_footprint``)
+    footprint: dict | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -456,6 +504,8 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
             logging = done % r.log_every == 0 or done == r.steps
             result = train_step(run, step, logging)
             progress.add(done, result)
+            if progress.footprint is None:
+                progress.footprint = rank_footprint(run.model, run.optimizer)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{progress.tokens_per_s(run):.0f}")
@@ -465,7 +515,7 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
                                  **result.routing))
             if done % r.eval_every == 0 or done == r.steps:
                 progress.val_loss = evaluate(run.forward, run.corpus.val, run.cfg, run.info, run.autocast,
-                                             run.place.dp_rank, run.place.dp_size)
+                                             run.place.dp_rank, run.place.dp_size, run.pipe)
                 metrics.log(dict(split="val", step=done, tokens=done * run.tokens_per_step, val_loss=progress.val_loss))
                 if bar is not None:
                     bar.write(f"step {done}: val loss {progress.val_loss:.4f}")
@@ -507,7 +557,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         tokens=progress.done * tokens_per_step,
         final_train_loss=progress.last_loss,
         final_val_loss=progress.val_loss,
-        parameters=sum(p.numel() for p in run.model.parameters()),
+        parameters=parameter_count(run.cfg.model),
         step_time_s=progress.step_time / steps_run,
         tokens_per_s=tokens_per_step * steps_run / progress.step_time if progress.step_time else float("nan"),
         peak_memory_mib=peak_memory_mib(run.info.device),
@@ -515,7 +565,21 @@ def summarize(run: Run, progress: Progress) -> dict:
         interrupted=progress.interrupted,
         data=run.corpus.description,
         world_size=run.info.world_size,
+        ranks=rank_entries(run, progress),
     )
+
+
+def rank_entries(run: Run, progress: Progress) -> list[dict]:
+    """One entry per rank (collective under torchrun): its rank, its pipeline stages (empty
+    without a pipeline), its parameter elements and the bytes of its parameters, gradients and
+    optimizer state after the job's first step."""
+    footprint = progress.footprint or rank_footprint(run.model, run.optimizer)
+    entry = dict(rank=run.info.rank, stages=run.pipe.stage_indices if run.pipe is not None else [], **footprint)
+    if not run.info.distributed:
+        return [entry]
+    entries = [None] * run.info.world_size
+    torch.distributed.all_gather_object(entries, entry)
+    return entries
 
 
 def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, processes: int,

@@ -274,7 +274,7 @@ def check_residual(cfg: TrainConfig) -> None:
 def check_processes(cfg: TrainConfig, processes: int) -> None:
     """The run on ``processes`` processes (torchrun's world size, 1 without it): a pipeline's
     ranks dividing them, each copy of the pipeline taking an equal part of the batch that its
-    micro-batches divide, DDP beside a pipeline; without one, the batch dividing over the ranks
+    micro-batches divide; without one, the batch dividing over the ranks
     and the micro-steps."""
     r = cfg.run
     if r.pp_size == 1:
@@ -291,9 +291,6 @@ def check_processes(cfg: TrainConfig, processes: int) -> None:
     if copies > 1:  # each copy splits its part of the batch into the micro-batches
         _pipeline_layout(cfg, r.batch_size // copies, f" (each of the {copies} copies of the pipeline takes "
                                                       f"{r.batch_size // copies} of run.batch_size={r.batch_size})")
-    if r.parallel != "ddp":
-        raise ValueError(f"run.pp_size={r.pp_size}: the copies of a pipeline average their gradients as DDP does; "
-                         f"run.parallel={r.parallel!r} is not supported with it")
 
 
 def check_run(cfg: TrainConfig, processes: int | None = None) -> None:

@@ -1,0 +1,192 @@
+"""Sharded checkpoints of a run of several processes, with ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes its own part (a pipeline rank's stages, an FSDP2 rank's shards); nothing is
+gathered. The folder ``step-NNNNNNN/`` holds DCP's files (``.metadata`` and one ``.distcp`` file
+per rank: the model and the optimizer, under the names the whole model gives its parameters)
+and ``state.pt`` (rank 0: step, RNG, config, gradient-norm statistics; plain tensors and
+containers). It is written as ``checkpoint.save_checkpoint`` writes one process's: into a
+temporary folder, every file fsynced, then renamed by rank 0 once every rank has written, and
+``latest`` replaced after. A rank that dies mid-save leaves the temporary folder, never a
+``step-*`` folder, and ``latest`` names the previous checkpoint.
+
+Loading reshards: a rank asks DCP for the tensors its own layout holds, and DCP reads them from
+whatever layout wrote them (``load_sharded``). A one-process checkpoint (``model.safetensors``)
+loads into any layout through ``load_full``. Non-tensor values (the optimizer's settings) are
+read with ``torch.load(..., weights_only=True)`` (``DataOnlyLoadPlanner``), never as code.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model import ModelConfig, Transformer, param_groups
+from .checkpoint import CheckpointError, _prune, _write_file, latest_checkpoint, publish
+
+
+def _flat_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _planner():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class DataOnlyLoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, but a non-tensor value is read as data only."""
+
+        def load_bytes(self, read_item, value) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._nested_dict import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return DataOnlyLoadPlanner()
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"model": ..., "optimizer": ...}``: this rank's tensors, named as the whole model names
+    them (FSDP2's shards as DTensors). The optimizer's state is flat, every entry keyed by its
+    parameter's name (its moments and its group's settings alike), so that a rank of another
+    layout finds what its own parameters need."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_flat_options())
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_sharded(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 train_state: dict) -> Path:
+    """Write checkpoint ``step`` from every rank (collective); rank 0 writes ``train_state``
+    (``state.pt``), renames the folder into place and replaces ``latest``."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_root = Path(ckpt_root)
+    final, tmp = ckpt_root / f"step-{step:07d}", ckpt_root / f".step-{step:07d}.tmp"
+    main = dist.get_rank() == 0
+    problem = None
+    if main:
+        try:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as exc:
+            problem = exc
+    _agree_on(problem, final)
+    try:
+        dcp.save(local_state(model, optimizer), checkpoint_id=str(tmp))
+        if main:
+            _write_file(tmp / "state.pt", lambda p: torch.save(train_state, p))
+            publish(tmp, final)
+    except OSError as exc:
+        problem = exc
+    _agree_on(problem, final, ckpt_root, tmp)
+    if main:
+        _prune(ckpt_root, keep=final)
+    return final
+
+
+def _agree_on(problem: OSError | None, final: Path, ckpt_root: Path | None = None, tmp: Path | None = None) -> None:
+    """Every rank learns whether any failed to write; each raises ``CheckpointError`` then."""
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, None if problem is None else str(getattr(problem, "strerror", None) or problem))
+    first = next((text for text in failed if text), None)
+    if first is None:
+        return
+    if tmp is not None and dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(ckpt_root) if ckpt_root is not None else None
+    kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+    raise CheckpointError(f"saving checkpoint {final} failed ({first}); {kept}")
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load sharded checkpoint ``path`` into this rank's ``model`` (and ``optimizer``), whatever
+    layout wrote it and whatever this one is (collective under torchrun; one process reads it
+    alone)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if optimizer is None:
+        state = {"model": model.state_dict()}
+    else:
+        state = local_state(model, optimizer)
+    _read(state, path, "does not load into this run's model")
+    if optimizer is None:
+        model.load_state_dict(state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=_flat_options())
+
+
+def _read(state: dict, path: Path, failure: str) -> None:
+    """DCP's load of ``state`` (in place) from ``path``: collective under torchrun, in this
+    process alone otherwise (DCP's warning that it assumes so is expected here, not shown);
+    ``CheckpointError`` saying ``failure`` and DCP's first line when it fails."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    alone = not dist.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=str(path), planner=_planner(), no_dist=alone)
+    except Exception as exc:  # DCP raises a CheckpointException carrying each rank's error
+        raise CheckpointError(f"checkpoint {path} {failure} ({_first_line(exc)})") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def read_weights(path: Path, config: ModelConfig) -> dict:
+    """The whole model's weights (name -> CPU tensor) from sharded checkpoint ``path``, read in
+    one process: what ``generate``, ``export`` and a comparison's analysis load."""
+    with torch.device("meta"):
+        model = Transformer(config, initialize=False)
+    model.to_empty(device="cpu")
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    state = {"model": model.state_dict()}
+    _read(state, path, "does not hold the weights of the run's model")
+    return state["model"]
+
+
+def full_optimizer_names(config: ModelConfig, weight_decay: float) -> list[str]:
+    """The whole model's parameter names in the order one process's optimizer numbers them
+    (``param_groups``: the decaying ones, then the others)."""
+    with torch.device("meta"):
+        model = Transformer(config, initialize=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in param_groups(model, weight_decay) for p in group["params"]]
+
+
+def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict,
+              config: ModelConfig, weight_decay: float) -> None:
+    """Load a one-process checkpoint (the whole model's ``weights`` and its optimizer's
+    ``state_dict``, parameters numbered) into this rank's part: the names it holds picked out,
+    FSDP2's shards cut from them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    numbered = full_optimizer_names(config, weight_decay)
+    name_of = {**{k: n for k, n in enumerate(numbered)}, **{n: n for n in numbered}}  # numbered, or by name
+    local_model, local_optim = get_state_dict(model, optimizer)
+    held = set(local_optim["state"]) | {n for g in local_optim["param_groups"] for n in g["params"]}
+    saved_state = optim_state["state"]
+    if not all(k in name_of for k in saved_state):
+        raise CheckpointError("the checkpoint's optimizer state does not name the model's parameters")
+    state = {name_of[k]: v for k, v in saved_state.items() if name_of[k] in held}
+    groups = []
+    for saved, local in zip(optim_state["param_groups"], local_optim["param_groups"]):
+        groups.append({**saved, "params": local["params"]})
+    set_state_dict(model, optimizer, model_state_dict={k: weights[k] for k in local_model},
+                   optim_state_dict={"state": state, "param_groups": groups},
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
