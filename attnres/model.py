@@ -406,14 +406,16 @@ class Transformer(nn.Module):
 
     def update_expert_bias(self, counts: torch.Tensor) -> None:
         """The ``bias`` balance's step: ``counts`` ``[L, E]`` are one optimizer step's assignments
-        per MoE layer and expert (every micro-batch and rank summed). Nothing for ``aux``."""
+        per layer and expert (every micro-batch and rank summed; every layer's MLP is an MoE
+        sublayer). Nothing for ``aux``."""
         if self.config.moe_balance != "bias":
             return
-        layers = self.moe_layers()
-        if counts.shape != (len(layers), self.config.moe_experts):
-            raise ValueError(f"counts of shape {tuple(counts.shape)}, expected ({len(layers)}, {self.config.moe_experts})")
-        for moe, layer_counts in zip(layers, counts):
-            moe.update_bias(layer_counts)
+        expected = (self.config.n_layers, self.config.moe_experts)
+        if tuple(counts.shape) != expected:
+            raise ValueError(f"counts of shape {tuple(counts.shape)}, expected {expected}")
+        for layer, layer_counts in zip(self.layers, counts):  # a pipeline rank holds some of them
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.update_bias(layer_counts)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.config

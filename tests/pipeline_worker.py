@@ -37,16 +37,23 @@ def received_bytes(pipe) -> dict[int, int]:
     return out
 
 
+#: a mixture-of-experts model with the balance loss, whose gradient each stage carries to its routers
+MOE = dict(moe_experts=4, moe_top_k=2, moe_balance="aux", moe_aux_weight=0.5)
+
+
 def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
-    model = tiny_model(design, n_layers=4)  # 8 sublayers: 2, 4 or 8 stages
+    moe = design == "moe"
+    model = tiny_model("block", n_layers=4, **MOE) if moe else tiny_model(design, n_layers=4)  # 8 sublayers
     randomize_stream(model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 64, (8, 8), generator=g)
     y = torch.randint(0, 64, (8, 8), generator=g)
     model.zero_grad()
-    with torch.no_grad():  # evaluation: the whole batch at once
+    with torch.no_grad():  # evaluation: the whole batch at once; for MoE the step's language-model loss
         ref_eval = lm_loss(model(x), y)
-    ref_loss = accumulate_gradients(lambda xs, ys: lm_loss(model(xs), ys), x, y, MICROBATCHES)
+        ref_lm = torch.stack([lm_loss(model(xs), ys) for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))])
+    loss_of = model.loss if moe else (lambda xs, ys: lm_loss(model(xs), ys))  # the loss with the balance loss
+    ref_loss = accumulate_gradients(loss_of, x, y, MICROBATCHES)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     model.zero_grad()
@@ -62,7 +69,7 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
             worst, worst_name = rel, name
     bitwise = all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return dict(loss=float(loss.detach()), ref_loss=float(ref_loss.detach()), max_rel_grad=worst, worst=worst_name,
+    return dict(loss=float(loss.detach()), ref_loss=float(ref_lm.mean() if moe else ref_loss.detach()), max_rel_grad=worst, worst=worst_name,
                 bitwise=bitwise, cached=pipe.cache is not None, received=received_bytes(pipe),
                 left_in_cache=pipe.held_after_step, held=sorted(model.state_dict()), stages=pipe.stage_indices,
                 eval_loss=float(eval_loss), ref_eval_loss=float(ref_eval), norm=norm, ref_norm=ref_norm), grads
@@ -71,12 +78,13 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     cases = [(d, s) for s in SCHEDULES for d in DESIGNS] + [(d, s) for s, ds in OTHERS.items() for d in ds]
+    cases += [("moe", "1f1b"), ("moe", "interleaved1f1b")]
     if dist.get_world_size() == 4:  # 8 stages of one sublayer on 4 ranks, looped and in a V
         cases = [("block", "interleaved1f1b"), ("block", "zbv")]
     results = {}
     for d, s in cases:
         results[f"{d}/{s}"], off = case(d, s, "off")
-        if s in MULTI_STAGE and tiny_model(d).config.residual in CACHED_RESIDUALS:
+        if s in MULTI_STAGE and d != "moe" and tiny_model(d).config.residual in CACHED_RESIDUALS:
             on, grads = case(d, s, "on")
             on["bitwise_to_off"] = all(torch.equal(grads[n], off[n]) for n in grads)
             on["max_rel_to_off"] = max(float((grads[n] - off[n]).abs().max() / off[n].abs().max().clamp_min(1e-12))

@@ -73,14 +73,17 @@ def single_moe(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("distributed_moe")  # one worker runs the one-process twin once
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "pipeline"])
 def test_moe_on_two_ranks_matches_one_process_with_the_same_micro_batches(single_moe, tmp_path, parallel):
-    """Two ranks of half the batch each against one process with two micro-batches of that size
-    (the capacity counts a forward's tokens): the same losses, expert load and balance bias, the
-    load summed over ranks as over micro-batches."""
+    """Two ranks of half the batch each, or a pipeline of two stages over two micro-batches,
+    against one process with two micro-batches of that size (the capacity counts a forward's
+    tokens): the same losses, expert load and balance bias, the load summed over ranks (in the
+    pipeline, each layer's on the rank that holds it) as over micro-batches."""
     (tmp_path / "single").symlink_to(single_moe)
+    layout = (["--set", "run.pp_size=2", "--set", "run.pp_microbatches=2"] if parallel == "pipeline"
+              else ["--set", f"run.parallel={parallel}"])
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
-         "train", *COMMON, *MOE, "--set", f"run.parallel={parallel}", "--run-dir", str(tmp_path / "ddp")], tmp_path)
+         "train", *COMMON, *MOE, *layout, "--run-dir", str(tmp_path / "ddp")], tmp_path)
     rows = {}
     for name in ("single", "ddp"):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()

@@ -55,11 +55,9 @@ CASES = [
      "run.pp_cache apply to a pipelined run: set run.pp_size > 1"),
     # ... and with one, what it cannot run with
     ({**PP, "run.grad_accum": 2}, None, "run.pp_size=2: a pipelined run takes its micro-batches from "
-     "run.pp_microbatches and runs eagerly on dense models; grad_accum is not supported with it"),
+     "run.pp_microbatches and runs eagerly; grad_accum is not supported with it"),
     ({**PP, "run.compile": True}, None, "run.pp_size=2: a pipelined run takes its micro-batches from "
-     "run.pp_microbatches and runs eagerly on dense models; compile is not supported with it"),
-    ({**PP, "model.moe_experts": 4}, None, "run.pp_size=2: a pipelined run takes its micro-batches from "
-     "run.pp_microbatches and runs eagerly on dense models; model.moe_experts is not supported with it"),
+     "run.pp_microbatches and runs eagerly; compile is not supported with it"),
     # the schedule's stages per rank, the stages' sublayers, the micro-batches
     ({**PP, "run.pp_stages_per_rank": 2}, None, "run.pp_size=2, run.pp_schedule='1f1b': schedule '1f1b' runs one "
      "stage per rank, given 2; the looped schedules (interleaved1f1b, loopedbfs) run several"),

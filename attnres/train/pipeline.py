@@ -31,13 +31,14 @@ them again for callers that come without a ``TrainConfig``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..model import Transformer, lm_loss
+from ..moe import ExpertStats, expert_load
 from .stage_cache import SourceCache, sources_held, use_cache
 from .stage_local import Part, shared_names, shared_parameter, trim
 from .validate import MULTI_STAGE, V_SHAPED, check_pipeline, stage_sizes, stages_per_rank
@@ -112,6 +113,21 @@ def boundary_layout(model: Transformer, cut: int) -> int:
     return len(stream.split_state(state)[0])
 
 
+class _WithBalanceLoss(torch.autograd.Function):
+    """Identity on a stage's output ``x``; its backward also gives ``loss`` (the stage's part of
+    the weighted MoE balance loss) the gradient 1, as adding it to the micro-batch's loss
+    would: the balance loss of a stage before the last reaches its routers this way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.like = loss.new_ones(())
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, ctx.like
+
+
 class StageModule(nn.Module):
     """Sublayers ``first .. last - 1`` of ``model``; its forward takes the tokens ``[B, T]``
     (the first stage) or the tensors the stage before sent, and returns the logits (the last
@@ -122,7 +138,12 @@ class StageModule(nn.Module):
     ``send_from`` on, registers the sources that enter the rank here when a later stage of the
     rank will read them (``keeps``) and frees the micro-batch's cache after reading it
     (``frees``, the rank's last stage). The forward then takes ``microbatch``, the index of the
-    micro-batch (a one-element tensor, which the schedule splits like the batch)."""
+    micro-batch (a one-element tensor, which the schedule splits like the batch).
+
+    In a mixture-of-experts model each training forward records its routing in ``expert_log``
+    (``(stage, layers, ExpertStats)``: the indices of the stage's MoE layers and what they recorded) and
+    attaches the stage's part of the weighted balance loss, ``moe_aux_weight * sum of its layers'
+    / n_layers``, to its first output (``_WithBalanceLoss``)."""
 
     def __init__(self, model: Transformer, first: int, last: int, index: int = 0, cache: SourceCache | None = None,
                  held: int = 0, send_from: int = 0, keeps: bool = False, frees: bool = False,
@@ -133,6 +154,9 @@ class StageModule(nn.Module):
         #: the completed sources the state holds before ``first`` (``boundary_layout``)
         self.completed = completed if completed is not None else 0 if self.is_first else boundary_layout(model, first)
         self.cache, self.held, self.send_from, self.keeps, self.frees = cache, held, send_from, keeps, frees
+        #: the layers whose MLP this stage runs, and where a training forward logs their routing
+        self.moe_layers = [i >> 1 for i in range(first, last) if i % 2 == 1] if model.config.moe_experts else []
+        self.expert_log: list | None = None
 
     def forward(self, *inputs: torch.Tensor, microbatch: torch.Tensor | None = None):
         model, stream, cache = self.model, self.model.stream, self.cache
@@ -153,13 +177,28 @@ class StageModule(nn.Module):
         if cache is not None and self.frees:
             cache.drop(mb)
         T = inputs[0].shape[1]
-        state = model.run_sublayers(state, self.first, self.last, model.rope_cos[:T], model.rope_sin[:T])
+        experts = ExpertStats() if self.moe_layers else None
+        state = model.run_sublayers(state, self.first, self.last, model.rope_cos[:T], model.rope_sin[:T],
+                                    experts=experts)
         if self.is_last:
-            return model.lm_head(stream.output(state))
+            return self._balanced(model.lm_head(stream.output(state)), experts)
         completed, rest = stream.split_state(state)
         if self.keeps:  # the sources completed here, in place (the earlier ones are registered)
             completed = (*completed[:self.completed], *cache.own(mb, self.completed, completed[self.completed:]))
-        return (*completed[self.send_from:], *rest)
+        out = (*completed[self.send_from:], *rest)
+        return (self._balanced(out[0], experts), *out[1:])
+
+    def _balanced(self, x: torch.Tensor, experts: ExpertStats | None) -> torch.Tensor:
+        """``x``, carrying the stage's part of the balance loss in a training forward (its
+        routing logged); ``x`` itself otherwise."""
+        if experts is None or not torch.is_grad_enabled() or x.is_meta:  # the engine's shape inference: no step
+            return x
+        if self.expert_log is not None:
+            self.expert_log.append((self.index, self.moe_layers, experts))
+        c = self.model.config
+        if c.moe_balance != "aux" or not experts.aux:
+            return x
+        return _WithBalanceLoss.apply(x, c.moe_aux_weight * torch.stack(experts.aux).sum() / c.n_layers)
 
 
 def stage_modules(model: Transformer, schedule: str, ranks: int, per_rank: int | None = None, split=None,
@@ -207,6 +246,8 @@ class Pipeline:
     sharded: frozenset[str] = frozenset()
     #: the pipeline rank of each stage
     owners: tuple[int, ...] = ()
+    #: a mixture-of-experts model's routing in the last step's forwards (``StageModule.expert_log``)
+    expert_log: list = field(default_factory=list)
 
     @property
     def has_first(self) -> bool:
@@ -236,6 +277,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = self._kwargs(y, losses)
+        self.expert_log.clear()
         if self.has_last:
             kwargs["return_outputs"] = False
         self.schedule.step(*args, **kwargs)
@@ -309,6 +351,47 @@ class Pipeline:
             if p.requires_grad and name not in self.sharded:
                 dist.all_reduce(p.grad, group=self.replicas)
                 p.grad.div_(self._replica_count)
+
+    def finish_experts(self, logging: bool) -> dict:
+        """For a mixture-of-experts model, after the optimizer step: the step's assignments per
+        layer and expert ``[L, E]`` summed over the micro-batches, the pipeline (each rank fills
+        its layers' rows) and the replicas; the balance bias moved (``bias``) and, when
+        ``logging``, the log's expert fields as ``steps.expert_record`` gives them in one
+        process (else ``{}``)."""
+        c = self.model.config
+        if not (logging or c.moe_balance == "bias"):
+            return {}
+        counts = torch.zeros(c.n_layers, c.moe_experts, device=self._device)
+        # the balance loss summed over the logged layers, the dropped assignments, how many layers
+        sums = torch.zeros(3, device=self._device)
+        for layers, stats in self._step_routing():
+            counts[layers] += stats.load().to(counts.dtype)
+            sums[0] += torch.stack(stats.aux).sum().detach() if stats.aux else 0.0
+            sums[1] += torch.stack(stats.dropped).sum() if stats.dropped else 0.0
+            sums[2] += len(layers)
+        for group in (self.group, self.replicas):
+            if group is not None:
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(sums, group=group)
+        self.model.update_expert_bias(counts)
+        if not logging:
+            return {}
+        load = expert_load(counts)
+        record = dict(expert_load=[[round(float(f), 6) for f in row] for row in load],
+                      expert_imbalance=float((load.max(-1).values * load.shape[-1]).mean()),
+                      moe_aux_loss=float(sums[0] / sums[2]))
+        if c.moe_capacity:
+            record["expert_dropped"] = float(sums[1] / counts.sum())
+        return record
+
+    def _step_routing(self) -> list:
+        """``(layers, ExpertStats)`` of each micro-batch's forward through each of this rank's
+        stages in the last step: the last ``microbatches`` logged per stage (on its first step the
+        engine also runs each stage once on placeholder tensors, to learn the shapes it sends)."""
+        per_stage: dict[int, list] = {}
+        for index, layers, stats in self.expert_log:
+            per_stage.setdefault(index, []).append((layers, stats))
+        return [entry for entries in per_stage.values() for entry in entries[-self.microbatches:]]
 
     @property
     def _device(self) -> torch.device:
@@ -420,9 +503,6 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     ``on`` or ``off``."""
     from torch.distributed import pipelining as pp
 
-    if model.config.moe_experts:
-        raise ValueError("pipelining a mixture-of-experts model is not supported: its balance loss and expert "
-                         "load are not carried between stages")
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     n_stages, microbatches = check_pipeline(schedule, ranks, model.config.num_sublayers, None, microbatches,
                                             per_rank, split)
@@ -448,5 +528,8 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     run = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches, loss_fn=lm_loss,
               scale_grads=False)
     owners = tuple(r for s in range(n_stages) for r in range(ranks) if s in stage_indices(schedule, r, ranks, per_rank))
-    return Pipeline(model, run, stages, microbatches, group, replicas, modules[indices[0]].cache,
+    pipe = Pipeline(model, run, stages, microbatches, group, replicas, modules[indices[0]].cache,
                     shared=tuple(shared_names(model.config, parts)), sharded=sharded, owners=owners)
+    for index in indices:
+        modules[index].expert_log = pipe.expert_log
+    return pipe

@@ -387,7 +387,12 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
     if step >= int(r.steps * 0.9) and not run.info.distributed:
         run.grad_norms.add(run.model)
     run.optimizer.step()
-    routing = run.experts.finish(logging) if run.experts is not None else {}
+    if run.experts is None:
+        routing = {}
+    elif run.pipe is not None:  # the routing each rank's stages logged, summed over the pipeline
+        routing = run.pipe.finish_experts(logging)
+    else:
+        routing = run.experts.finish(logging)
     return StepResult(lr, loss, grad_norm, routing, time.perf_counter() - start_time)
 
 

@@ -246,17 +246,16 @@ def _pipeline_layout(cfg: TrainConfig, batch: int, note: str = "") -> None:
 
 
 def check_pipeline_settings(cfg: TrainConfig) -> None:
-    """With ``run.pp_size > 1``: no gradient accumulation, compilation or MoE, and a layout the
+    """With ``run.pp_size > 1``: no gradient accumulation or compilation, and a layout the
     schedule can run on the whole batch; without: no other ``run.pp_*`` option."""
-    r, m = cfg.run, cfg.model
+    r = cfg.run
     if r.pp_size == 1:
         _pipeline_options_unset(cfg)
         return
-    for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile),
-                        ("model.moe_experts", m.moe_experts > 0)):
+    for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile)):
         if clash:
             raise ValueError(f"run.pp_size={r.pp_size}: a pipelined run takes its micro-batches from "
-                             f"run.pp_microbatches and runs eagerly on dense models; {name} is not supported with it")
+                             f"run.pp_microbatches and runs eagerly; {name} is not supported with it")
     _pipeline_layout(cfg, r.batch_size)
 
 
