@@ -70,8 +70,14 @@ def runs(tmp_path_factory):
     """One process for 4 steps (the reference); pp 2 x FSDP2 2 for 2 steps, saved, then resumed
     to 4 steps in each layout of ``RESUMED`` (each from its own copy of the run)."""
     tmp = tmp_path_factory.mktemp("scale")
-    run([*launcher(1), "train", *COMMON, "--set", "run.steps=4", "--set", "run.grad_accum=4",
-         "--run-dir", str(tmp / "reference")], tmp)
+    run([*launcher(1), "train", *COMMON, "--set", "run.steps=4", "--set", "run.grad_accum=4", "--set",
+         "run.ckpt_every=2", "--run-dir", str(tmp / "reference")], tmp)
+    # the one-process checkpoint of step 2 (today's format), resumed by pp 2 x FSDP2 2
+    shutil.copytree(tmp / "reference", tmp / "from_one")
+    (tmp / "from_one" / "checkpoints" / "latest").write_text("step-0000002")
+    shutil.rmtree(tmp / "from_one" / "checkpoints" / "step-0000004")
+    run([*launcher(4), "train", "--run-dir", str(tmp / "from_one"), "--resume", *PP2_FSDP2, "--set",
+         "run.grad_accum=1"], tmp)
     run([*launcher(4), "train", *COMMON, *PP2_FSDP2, "--set", "run.steps=2", "--run-dir", str(tmp / "saved")], tmp)
     for name, (processes, layout) in RESUMED.items():
         shutil.copytree(tmp / "saved", tmp / name)
@@ -106,6 +112,15 @@ def test_a_sharded_checkpoint_resumes_in_every_layout(runs, layout):
     assert close(losses, train_losses(runs / "reference"), 1e-5), (layout, losses)
     summary = json.loads((runs / layout / "summary.json").read_text())
     assert summary["world_size"] == RESUMED[layout][0] and summary["steps"] == 4
+
+
+def test_a_one_process_checkpoint_resumes_in_a_pipeline_of_fsdp2_copies(runs):
+    """One process's checkpoint (safetensors and the numbered optimizer state) of step 2,
+    resumed by pp 2 x FSDP2 2, each rank taking its part: steps 3 and 4 give the uninterrupted
+    process's losses within 1e-5; the new checkpoint is sharded."""
+    assert close(train_losses(runs / "from_one"), train_losses(runs / "reference"), 1e-5)
+    assert (runs / "from_one" / "checkpoints" / "step-0000004" / ".metadata").is_file()
+    assert (runs / "reference" / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
 
 
 def test_a_resumed_run_keeps_its_batch(runs, tmp_path):

@@ -2,7 +2,8 @@
 
 The estimate counts the model's parameters and buffers on the meta device (no memory): per
 process, the fp32 weights, their gradients and AdamW's two moments (16 bytes a parameter),
-divided over the ranks that shard them (FSDP: every rank; a pipeline: its ranks), plus the
+divided over the ranks that shard them (FSDP: every rank, a pipeline's stages sharded over
+its copies too; a pipeline alone: its ranks), plus the
 buffers (the rotary tables). Activations are not counted: a run the estimate admits may still
 need more. What is available: the device's free memory on CUDA
 (``torch.cuda.mem_get_info``), else ``MemAvailable`` in ``/proc/meminfo`` shared by the
@@ -44,10 +45,10 @@ def estimate_bytes(cfg, processes: int = 1, sizes=None) -> tuple[int, int]:
     process of a job of ``processes``, and the buffers; ``sizes``: ``model_sizes``'s answer."""
     params, buffers = sizes or model_sizes(cfg.model)
     shards = 1
-    if cfg.run.pp_size > 1:
-        shards = cfg.run.pp_size
-    elif cfg.run.parallel == "fsdp" and processes > 1:
+    if cfg.run.parallel == "fsdp" and processes > 1:  # beside a pipeline too: pp_size x its copies
         shards = processes
+    elif cfg.run.pp_size > 1:
+        shards = cfg.run.pp_size
     return params * BYTES_PER_PARAMETER // shards + buffers, params
 
 
