@@ -74,6 +74,22 @@ def test_a_mixture_of_experts_model_pipelines_with_its_balance_loss(results, sch
         assert r["max_rel_grad"] <= 1e-6, r
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_tied_embedding_is_summed_over_the_ranks_that_hold_it(results, schedule):
+    """Block AttnRes with the head tied to the embedding: under 1F1B the first rank holds it as
+    the embedding and the last as the head, and its gradient, summed over the two, is one
+    process's (within 1e-6, the loss bit for bit); under ZBV rank 0 holds both ends, and the
+    other rank holds neither."""
+    for index, rank in enumerate(results):
+        r = rank[f"tied/{schedule}"]
+        assert r["loss"] == r["ref_loss"] and r["max_rel_grad"] <= 1e-6, r
+        held = set(r["held"])
+        ends = {"tok_embeddings.weight", "lm_head.weight"}
+        expected = ({"tok_embeddings.weight"} if index == 0 else {"lm_head.weight"}) if schedule == "1f1b" else (
+            ends if index == 0 else set())
+        assert held & ends == expected, (schedule, index, held & ends)
+
+
 def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
     """Each rank's state dict holds exactly its stages' sublayers, the embedding where the first
     stage lives, the head where the last lives, and the stream; evaluation through the pipeline
@@ -87,7 +103,7 @@ def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
     for index, rank in enumerate(results):
         for key, r in rank.items():
             design, schedule = key.split("/")[:2]
-            if design == "moe":
+            if design in ("moe", "tied"):
                 continue
             config = tiny_model(design, n_layers=4).config
             with torch.device("meta"):

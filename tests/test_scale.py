@@ -235,3 +235,38 @@ def test_two_launches_joined_as_two_hosts_train_as_one_launch(runs, tmp_path):
     errors = [h.stderr.read()[-1500:] for h in hosts]
     assert codes == [0, 0], errors
     assert train_losses(tmp_path / "run") == train_losses(runs / "saved")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_tied_embeddings_optimizer_state_follows_it_to_the_rank_that_holds_the_head(tmp_path):
+    """A tied embedding is ``tok_embeddings.weight`` to one process and ``lm_head.weight`` to a
+    pipeline rank that holds the head alone: its AdamW moments reach that rank from a sharded
+    checkpoint of the whole model and from one process's checkpoint (numbered), and that rank's
+    save names them as one process does."""
+    import torch.distributed.checkpoint as dcp
+
+    from attnres.train.config import OptimConfig
+    from attnres.train.sharded import load_full, load_sharded, local_state
+    from attnres.train.trainer import build_optimizer
+
+    config = tiny_config(residual="block", block_size=3, tie_embeddings=True)
+    torch.manual_seed(0)
+    whole = Transformer(config)
+    optimizer = build_optimizer(OptimConfig(), whole)
+    whole(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizer.step()
+    moments = optimizer.state[whole.tok_embeddings.weight]
+    dcp.save(local_state(whole, optimizer), checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    head = Part.of_stages([(3, 6)], 6)
+    for load in ("sharded", "one process"):
+        part = rank_model(config, 0, head)
+        part_optimizer = build_optimizer(OptimConfig(), part)
+        if load == "sharded":
+            load_sharded(tmp_path / "ckpt", part, part_optimizer)
+        else:
+            load_full(part, part_optimizer, whole.state_dict(), optimizer.state_dict(), config, 0.1)
+        got = part_optimizer.state[part.lm_head.weight]
+        assert torch.equal(got["exp_avg"], moments["exp_avg"]) and torch.equal(got["exp_avg_sq"], moments["exp_avg_sq"])
+        assert torch.equal(part.lm_head.weight, whole.tok_embeddings.weight)
+        saved = local_state(part, part_optimizer)["optimizer"]
+        assert "state.tok_embeddings.weight.exp_avg" in saved and not any("lm_head" in k for k in saved)

@@ -60,7 +60,25 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_flat_options())
-    return {"model": model_state, "optimizer": optim_state}
+    return {"model": model_state, "optimizer": _renamed(optim_state, *_tied_alias(model))}
+
+
+def _tied_alias(model: nn.Module) -> tuple[str, str]:
+    """``(local, saved)``: the name under which this rank's optimizer knows a tied embedding and
+    the one a checkpoint keeps it under (``tok_embeddings.weight``, as one process names it); a
+    rank that holds the head without the embedding knows it as ``lm_head.weight``."""
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    if config is not None and config.tie_embeddings and inner.tok_embeddings is None and inner.lm_head is not None:
+        return "lm_head.weight", "tok_embeddings.weight"
+    return "", ""
+
+
+def _renamed(flat: dict, old: str, new: str) -> dict:
+    """A flat optimizer state with parameter name ``old`` replaced by ``new`` in its keys."""
+    if not old:
+        return flat
+    return {k.replace(f".{old}.", f".{new}.") if f".{old}." in k else k: v for k, v in flat.items()}
 
 
 def save_sharded(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -122,8 +140,9 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     if optimizer is None:
         model.load_state_dict(state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=_flat_options())
+        local, saved = _tied_alias(model)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=_renamed(state["optimizer"], saved, local), options=_flat_options())
 
 
 def _read(state: dict, path: Path, failure: str) -> None:
@@ -177,7 +196,10 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     numbered = full_optimizer_names(config, weight_decay)
+    local, saved = _tied_alias(model)
+    as_held = {saved: local} if local else {}  # a tied embedding this rank knows by the head's name
     name_of = {**{k: n for k, n in enumerate(numbered)}, **{n: n for n in numbered}}  # numbered, or by name
+    name_of = {k: as_held.get(n, n) for k, n in name_of.items()}
     local_model, local_optim = get_state_dict(model, optimizer)
     held = set(local_optim["state"]) | {n for g in local_optim["param_groups"] for n in g["params"]}
     saved_state = optim_state["state"]
