@@ -270,3 +270,21 @@ def test_a_tied_embeddings_optimizer_state_follows_it_to_the_rank_that_holds_the
         assert torch.equal(part.lm_head.weight, whole.tok_embeddings.weight)
         saved = local_state(part, part_optimizer)["optimizer"]
         assert "state.tok_embeddings.weight.exp_avg" in saved and not any("lm_head" in k for k in saved)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tied")
+    run([*launcher(1), "train", *COMMON, "--set", "model.tie_embeddings=true", "--set", "run.steps=2", "--set",
+         "run.grad_accum=4", "--run-dir", str(tmp / "one")], tmp)
+    return train_losses(tmp / "one")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_tied_embedding_trains_in_a_pipeline_of_fsdp2_copies(tied_reference, tmp_path, schedule):
+    """The head tied to the embedding, pp 2 x FSDP2 2: under 1F1B the first and the last rank
+    each shard their end, under ZBV rank 0 holds both ends (one parameter, kept whole and
+    averaged over the copies); both give one process's losses within 1e-5."""
+    run([*launcher(4), "train", *COMMON, *PP2_FSDP2, "--set", "model.tie_embeddings=true", "--set",
+         f"run.pp_schedule={schedule}", "--set", "run.steps=2", "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert close(train_losses(tmp_path / "run"), tied_reference, 1e-5)

@@ -477,14 +477,18 @@ def _local_shape(pipe: Pipeline, name: str) -> tuple[int, ...]:
 def shard_stages(model: Transformer, dp_mesh) -> frozenset[str]:
     """FSDP2 over ``dp_mesh`` on each module of this rank's part that runs its own forward (the
     sublayers, the embedding, the head); the stream's parameters, read by the stages piece by
-    piece, stay whole. Returns the names of the sharded parameters."""
+    piece, stay whole. Returns the names of the sharded parameters (DTensors)."""
     from torch.distributed.fsdp import fully_shard
 
     modules = [m for layer in model.layers for m in (layer.attn, layer.mlp) if m is not None]
-    modules += [m for m in (model.tok_embeddings, model.lm_head) if m is not None]
+    ends = [m for m in (model.tok_embeddings, model.lm_head) if m is not None]
+    # a tied embedding held with the head (both ends on this rank) is one parameter of two
+    # modules, which FSDP2 cannot shard as two roots: it stays whole, averaged like the stream
+    if not (model.config.tie_embeddings and len(ends) == 2):
+        modules += ends
     for module in modules:
         fully_shard(module, mesh=dp_mesh)
-    return frozenset(name for name, _ in model.named_parameters() if not name.startswith("stream."))
+    return frozenset(name for name, p in model.named_parameters() if hasattr(p, "to_local"))
 
 
 def build_pipeline(model: Transformer, schedule: str, microbatches: int | None = None, *, per_rank: int | None = None,
