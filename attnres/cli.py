@@ -99,14 +99,15 @@ def cmd_compare(args) -> int:
 
 def _resumed_layout(saved, assignments):
     """A resumed run's saved config with its pipeline settings dropped (back to their defaults)
-    when ``--set run.pp_size=N`` gives it another layout: the ``run.pp_*`` settings that apply are
-    then those given with it."""
+    when ``--set run.pp_size=N`` gives it another pipeline size: the ``run.pp_*`` settings that
+    apply are then those given with it. The saved size given again changes nothing."""
     import dataclasses
 
-    from .train.config import RunConfig
+    from .train.config import RunConfig, apply_overrides
 
     given = {a.partition("=")[0].strip() for a in assignments}
-    if "run.pp_size" not in given:
+    sizes = [a for a in assignments if a.partition("=")[0].strip() == "run.pp_size"]
+    if not sizes or apply_overrides(saved, sizes).run.pp_size == saved.run.pp_size:
         return saved
     defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)
                 if f.name.startswith("pp_") and f"run.{f.name}" not in given}

@@ -87,7 +87,7 @@ def main(out: Path) -> None:
     cases = [(d, s) for s in SCHEDULES for d in DESIGNS] + [(d, s) for s, ds in OTHERS.items() for d in ds]
     cases += [("moe", "1f1b"), ("moe", "interleaved1f1b"), ("tied", "1f1b"), ("tied", "zbv")]
     if dist.get_world_size() == 4:  # 8 stages of one sublayer on 4 ranks, looped and in a V
-        cases = [("block", "interleaved1f1b"), ("block", "zbv")]
+        cases = [("block", "interleaved1f1b"), ("block", "zbv"), ("tied", "1f1b")]
     results = {}
     for d, s in cases:
         results[f"{d}/{s}"], off = case(d, s, "off")

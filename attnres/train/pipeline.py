@@ -248,6 +248,8 @@ class Pipeline:
     owners: tuple[int, ...] = ()
     #: a mixture-of-experts model's routing in the last step's forwards (``StageModule.expert_log``)
     expert_log: list = field(default_factory=list)
+    #: the shared parameters whose squares this rank counts in the norm (``_counted_shared``)
+    counted: set[str] | None = None
 
     @property
     def has_first(self) -> bool:
@@ -435,12 +437,16 @@ class Pipeline:
 
     def _counted_shared(self) -> set[str]:
         """The shared parameters whose squares this rank counts: those it holds where no lower
-        pipeline rank does."""
-        rank, ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
-        held = torch.tensor([float(shared_parameter(self.model, n) is not None) for n in self.shared])
-        every = [torch.zeros_like(held) for _ in range(ranks)]
-        dist.all_gather(every, held, group=self.group)
-        return {n for k, n in enumerate(self.shared) if held[k] and not any(every[r][k] for r in range(rank))}
+        pipeline rank does (learned from the other ranks once, then kept)."""
+        if self.counted is None:
+            rank, ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
+            held = torch.tensor([float(shared_parameter(self.model, n) is not None) for n in self.shared],
+                                device=self._device)  # on the device: NCCL reduces nothing else
+            every = [torch.zeros_like(held) for _ in range(ranks)]
+            dist.all_gather(every, held, group=self.group)
+            self.counted = {n for k, n in enumerate(self.shared)
+                            if held[k] and not any(every[r][k] for r in range(rank))}
+        return self.counted
 
 
 def _send(tensors, group, rank: int) -> None:
@@ -486,8 +492,8 @@ def shard_stages(model: Transformer, dp_mesh) -> frozenset[str]:
     # modules, which FSDP2 cannot shard as two roots: it stays whole, averaged like the stream
     if not (model.config.tie_embeddings and len(ends) == 2):
         modules += ends
-    for module in modules:
-        fully_shard(module, mesh=dp_mesh)
+    for module in modules:  # each its own root: resharded after its forward, or it stays whole
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=True)
     return frozenset(name for name, p in model.named_parameters() if hasattr(p, "to_local"))
 
 
@@ -513,10 +519,11 @@ def build_pipeline(model: Transformer, schedule: str, microbatches: int | None =
     parts = [rank_part(model.config, schedule, r, ranks, per_rank, split) for r in range(ranks)]
     trim(model, parts[rank])
     sharded = shard_stages(model, dp_mesh) if dp_mesh is not None else frozenset()
+    device = device or next(model.parameters()).device
+    model.to(device)  # what FSDP2 did not move (the stream, the RoPE tables); nothing if all is there
     caching = use_cache(cache, model.config.residual, stages_per_rank(schedule, per_rank))
     modules = stage_modules(model, schedule, ranks, per_rank, split, caching)
     indices = stage_indices(schedule, rank, ranks, per_rank)
-    device = device or next(model.parameters()).device
     stages = []
     for index in indices:
         module = modules[index]

@@ -34,6 +34,48 @@ def _flat_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+#: what DCP's ``.metadata`` may name when it is unpickled: its own record classes and the
+#: torch and pathlib types they hold (``torch``'s dtypes are checked apart)
+METADATA_CLASSES = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+})
+
+
+def _reader(path: Path):
+    """DCP's file reader, its ``.metadata`` unpickled with only ``METADATA_CLASSES`` (and
+    torch's dtypes) allowed: DCP itself unpickles the file with ``pickle.load``, which runs
+    whatever a crafted file names."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            allowed = (module, name) in METADATA_CLASSES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            if not allowed:
+                raise CheckpointError(f"{Path(path) / '.metadata'} names {module}.{name}, which a checkpoint's "
+                                      f"metadata never holds; it is not read")
+            return super().find_class(module, name)
+
+    class DataOnlyReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return DataOnlyReader(str(path))
+
+
 def _planner():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -99,12 +141,14 @@ def save_sharded(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.
         except OSError as exc:
             problem = exc
     _agree_on(problem, final)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save(local_state(model, optimizer), checkpoint_id=str(tmp))
         if main:
             _write_file(tmp / "state.pt", lambda p: torch.save(train_state, p))
             publish(tmp, final)
-    except OSError as exc:
+    except (OSError, CheckpointException) as exc:  # DCP's carries each rank's error (a BaseException)
         problem = exc
     _agree_on(problem, final, ckpt_root, tmp)
     if main:
@@ -112,10 +156,12 @@ def save_sharded(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.
     return final
 
 
-def _agree_on(problem: OSError | None, final: Path, ckpt_root: Path | None = None, tmp: Path | None = None) -> None:
+def _agree_on(problem: BaseException | None, final: Path, ckpt_root: Path | None = None,
+              tmp: Path | None = None) -> None:
     """Every rank learns whether any failed to write; each raises ``CheckpointError`` then."""
     failed = [None] * dist.get_world_size()
-    dist.all_gather_object(failed, None if problem is None else str(getattr(problem, "strerror", None) or problem))
+    text = None if problem is None else getattr(problem, "strerror", None) or _first_line(problem)
+    dist.all_gather_object(failed, text)
     first = next((text for text in failed if text), None)
     if first is None:
         return
@@ -153,16 +199,27 @@ def _read(state: dict, path: Path, failure: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     alone = not dist.is_initialized()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(state, checkpoint_id=str(path), planner=_planner(), no_dist=alone)
-    except Exception as exc:  # DCP raises a CheckpointException carrying each rank's error
+            reader = _reader(path)
+            reader.read_metadata()  # here first: DCP would log a refusal and try other files
+            dcp.load(state, storage_reader=reader, planner=_planner(), no_dist=alone)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's carries each rank's error (a BaseException)
         raise CheckpointError(f"checkpoint {path} {failure} ({_first_line(exc)})") from None
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message; of the first rank's error for DCP's exception, which
+    names only the ranks that failed."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = failures[min(failures)][0]  # (the exception, its traceback)
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 

@@ -68,15 +68,6 @@ def trim(model: Transformer, part: Part) -> Transformer:
     return model
 
 
-def held_parameter_names(config: ModelConfig, part: Part) -> list[str]:
-    """The names of the parameters ``part`` holds (a tied weight once, as the model lists it)."""
-    import torch
-
-    with torch.device("meta"):
-        model = trim(Transformer(config, initialize=False), part)
-    return [name for name, _ in model.named_parameters()]
-
-
 def shared_names(config: ModelConfig, parts: list[Part]) -> list[str]:
     """The parameters more than one of the pipeline ranks ``parts`` hold, whose gradients are
     summed over the pipeline: the stream's, and a tied embedding held by two ranks (named

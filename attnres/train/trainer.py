@@ -134,18 +134,19 @@ def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Mod
     micro-batch's loss runs through (``wrapped``, compiled with ``run.compile``); ``pipe``, this
     rank's stages of the pipeline, or None."""
     r, device = cfg.run, place.info.device
+    # FSDP2 moves each module it shards to the device and keeps the shard: the part waits on the host
     if r.pp_size > 1:
         g = place.groups
         part = rank_part(cfg.model, r.pp_schedule, torch.distributed.get_rank(g.pipeline), r.pp_size,
                          r.pp_stages_per_rank, r.pp_split)
-        model = rank_model(cfg.model, r.seed, part, device)
         shard = r.parallel == "fsdp" and g.replicas is not None
+        model = rank_model(cfg.model, r.seed, part, "cpu" if shard else device)
         pipe = build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank,
                               split=r.pp_split, group=g.pipeline, replicas=g.replicas, device=device,
                               cache=r.pp_cache, dp_mesh=g.dp_mesh if shard else None)
         return model, model, model, pipe
     if place.info.distributed:
-        model = rank_model(cfg.model, r.seed, Part.whole(cfg.model), device)
+        model = rank_model(cfg.model, r.seed, Part.whole(cfg.model), "cpu" if r.parallel == "fsdp" else device)
     else:
         torch.manual_seed(r.seed)
         model = Transformer(cfg.model).to(device)
@@ -311,6 +312,8 @@ def restore(run: Run, point: ResumePoint) -> None:
         else:
             load_full(run.model, run.optimizer, point.weights, state["optimizer"], run.cfg.model,
                       run.cfg.optim.weight_decay)
+    except CheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state does not fit the model "
                               f"({str(exc).splitlines()[0][:200]})") from None
@@ -355,7 +358,8 @@ def compute_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     """This rank's gradients of the step's rows ``x, y``: through the pipeline's schedule, or in
     ``run.grad_accum`` micro-batches. Returns the step's loss (for MoE, without the balance loss)."""
     if run.pipe is not None:
-        return run.pipe.step(x, y)
+        with run.autocast():  # bf16 on CUDA, as one process's micro-batches
+            return run.pipe.step(x, y)
     if run.experts is not None:
         run.experts.start()
     loss = accumulate_gradients(run.loss, x, y, run.cfg.run.grad_accum, run.micro_batch)
