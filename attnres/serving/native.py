@@ -1,0 +1,130 @@
+"""attnres's own model in vLLM: ``AttnResForCausalLM`` of an ``attnres export`` folder, every
+residual design.
+
+The model keeps the reference ``Transformer``'s modules and names (``model.tok_embeddings``,
+``model.layers.{l}.attn.wq`` ..., ``model.stream``, ``model.lm_head``), so the folder's
+safetensors load by name; only the attention's score computation is vLLM's (``PagedAttention``:
+its paged KV cache, shared by the requests of a continuous batch). vLLM passes the tokens of
+every request flat, ``[N]`` with their ``positions`` ``[N]``; the stream runs its ordinary pass on
+them as one row ``[1, N, D]``, which is exact because every design's routing is per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..model import ModelConfig, apply_rope, mlp, rope_tables
+from ..streams import build_stream
+
+
+class PagedAttention(nn.Module):
+    """``model.Attention``'s projections and RoPE around vLLM's paged attention.
+
+    ``x`` ``[N, D]`` (the flat batch), ``cos``/``sin`` ``[N, head_dim]`` (each token's RoPE row)
+    -> ``[N, D]``. The KV cache is vLLM's, bound to the layer named ``prefix``."""
+
+    def __init__(self, config: ModelConfig, cache_config, prefix: str):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.paged = Attention(self.n_heads, self.head_dim, self.head_dim ** -0.5, num_kv_heads=self.n_kv_heads,
+                               cache_config=cache_config, prefix=f"{prefix}.paged")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        N = x.shape[0]
+        q = self.wq(x).view(N, self.n_heads, self.head_dim)
+        k = self.wk(x).view(N, self.n_kv_heads, self.head_dim)
+        v = self.wv(x)
+        cos, sin = cos[:, None], sin[:, None]  # one row per token, broadcast over heads
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(self.paged(q.reshape(N, -1), k.reshape(N, -1), v))
+
+
+class Layer(nn.Module):
+    """One transformer layer: attention (``PagedAttention``) then the MLP (``model.mlp``)."""
+
+    def __init__(self, config: ModelConfig, cache_config, prefix: str):
+        super().__init__()
+        self.attn = PagedAttention(config, cache_config, f"{prefix}.attn")
+        self.mlp = mlp(config)
+
+
+class Model(nn.Module):
+    """``Transformer``'s modules under its names, with ``Layer`` for its layers."""
+
+    def __init__(self, config: ModelConfig, cache_config, prefix: str):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Layer(config, cache_config, f"{prefix}.layers.{l}")
+                                    for l in range(config.n_layers))
+        self.stream = build_stream(config.residual, dim=config.dim, num_sublayers=config.num_sublayers,
+                                   eps=config.norm_eps, **config.stream_options())
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def hidden_states(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stream's output ``[N, D]`` for the embedded tokens ``x`` ``[N, D]`` at
+        ``positions`` ``[N]``: each sublayer read, run and written in turn, as
+        ``Transformer.run_sublayers`` does, on the tokens as one row."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        stream, layers = self.stream, list(self.layers)
+        state = stream.init(x[None])
+        for i in range(self.config.num_sublayers):
+            layer, h = layers[i >> 1], stream.read(state, i)
+            v = layer.attn(h[0], cos, sin)[None] if i % 2 == 0 else layer.mlp(h)
+            state = stream.write(state, i, v)
+        return stream.output(state)[0]
+
+
+def check_served(vllm_config) -> ModelConfig:
+    """The folder's ``ModelConfig``; ``ValueError`` for what the plugin does not serve (tensor or
+    pipeline parallel vLLM: the model's linears are not split)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(f"attnres models are served on one device: tensor_parallel_size="
+                         f"{parallel.tensor_parallel_size}, pipeline_parallel_size="
+                         f"{parallel.pipeline_parallel_size}; both must be 1")
+    fields = getattr(vllm_config.model_config.hf_config, "attnres", None)
+    if not isinstance(fields, dict):
+        raise ValueError("config.json has no 'attnres' model fields: not a folder of attnres's own model")
+    return ModelConfig(**fields)
+
+
+class AttnResForCausalLM(nn.Module):
+    """vLLM's model class for ``architectures: ["AttnResForCausalLM"]``."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        config = check_served(vllm_config)
+        self.config = vllm_config.model_config.hf_config
+        self.model = Model(config, vllm_config.cache_config, f"{prefix}.model" if prefix else "model")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.tok_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states ``[N, D]`` of the flat batch ``input_ids`` ``[N]``."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        return self.model.hidden_states(x, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self).load_weights(weights)  # a tied head: saved once, as the embedding
