@@ -211,6 +211,13 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serving.server import serve
+
+    serve(Path(args.model_dir), args.host, args.port, args.kv_cache_gib)
+    return 0  # not reached: vLLM's server replaces this process
+
+
 def _add_compare(sub) -> None:
     from .train.compare import DEFAULT_DESIGNS, DESIGNS
 
@@ -289,10 +296,20 @@ def _add_eval(sub) -> None:
     p.set_defaults(fn=cmd_eval)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model folder with vLLM's OpenAI-compatible server")
+    p.add_argument("model_dir", help="an attnres export or attnres convert folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="memory for vLLM's KV cache (GiB)")
+    p.set_defaults(fn=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")
-    for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval):
+    for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval,
+                _add_serve):
         add(sub)
     return parser
 

@@ -36,6 +36,7 @@ from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..files import read_json
 from ..streams import DeltaAttnResStream
+from ..streams.delta import check_routing_options, converted_routing
 
 SOURCES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -52,29 +53,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
-def check_routing_options(config, heads, block_layers) -> None:
-    """Raise ``ValueError`` unless ``heads`` divides the model's width and ``block_layers`` is a
-    number of its layers (equal blocks) or a list of positive layer counts summing to them."""
-    width, layers = config.hidden_size, config.num_hidden_layers
-    if type(heads) is not int or heads < 1 or width % heads:
-        raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}")
-    if isinstance(block_layers, (list, tuple)):
-        if not block_layers or any(type(n) is not int or n < 1 for n in block_layers) or sum(block_layers) != layers:
-            raise ValueError(f"block_layers={list(block_layers)} must be positive layer counts summing to "
-                             f"{layers} (the number of layers)")
-    elif type(block_layers) is not int or not 1 <= block_layers <= layers:
-        raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers) "
-                         f"or a list of layers per block")
-
-
-def routing_blocks(block_layers) -> dict:
-    """The stream's block option for ``block_layers`` transformer layers per block (an integer,
-    equal blocks) or a list of them (uneven blocks): two sublayers per layer."""
-    if isinstance(block_layers, (list, tuple)):
-        return {"block_sizes": tuple(2 * n for n in block_layers)}
-    return {"block_size": 2 * block_layers}
-
-
 class DeltaRoutingForCausalLM:
     """The forward pass shared by every converted architecture (mixed into its causal LM).
 
@@ -84,13 +62,7 @@ class DeltaRoutingForCausalLM:
     ordinary one."""
 
     def _init_routing(self, config) -> None:
-        layers = config.num_hidden_layers
-        heads, block_layers = config.delta_heads, config.delta_block_layers
-        check_routing_options(config, heads, block_layers)
-        self.routing = DeltaAttnResStream(
-            config.hidden_size, 2 * layers, config.rms_norm_eps, heads=heads,
-            **routing_blocks(block_layers), own_norms=False,
-        )
+        self.routing = converted_routing(config)
 
     def _masks(self, inputs_embeds, attention_mask, cache, position_ids) -> list:
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,

@@ -97,3 +97,38 @@ class DeltaAttnResStream(BlockRoutingStream):
         with_null = self._complete(self._begin(e), self.null.to(e.dtype), 0, tokens=e.shape[:-1])
         routed = self._join_blocks(e, completed[1:], rest[1] if len(rest) > 1 else None, i, first=with_null)
         return DeltaState(rest[0], routed)
+
+
+def check_routing_options(config, heads, block_layers) -> None:
+    """Raise ``ValueError`` unless ``heads`` divides the model's width and ``block_layers`` is a
+    number of its layers (equal blocks) or a list of positive layer counts summing to them."""
+    width, layers = config.hidden_size, config.num_hidden_layers
+    if type(heads) is not int or heads < 1 or width % heads:
+        raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}")
+    if isinstance(block_layers, (list, tuple)):
+        if not block_layers or any(type(n) is not int or n < 1 for n in block_layers) or sum(block_layers) != layers:
+            raise ValueError(f"block_layers={list(block_layers)} must be positive layer counts summing to "
+                             f"{layers} (the number of layers)")
+    elif type(block_layers) is not int or not 1 <= block_layers <= layers:
+        raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers) "
+                         f"or a list of layers per block")
+
+
+def routing_blocks(block_layers) -> dict:
+    """The stream's block option for ``block_layers`` transformer layers per block (an integer,
+    equal blocks) or a list of them (uneven blocks): two sublayers per layer."""
+    if isinstance(block_layers, (list, tuple)):
+        return {"block_sizes": tuple(2 * n for n in block_layers)}
+    return {"block_size": 2 * block_layers}
+
+
+def converted_routing(config) -> DeltaAttnResStream:
+    """The routing of a converted model (``attnres convert``) whose Hugging Face ``config`` gives
+    ``hidden_size``, ``num_hidden_layers``, ``rms_norm_eps``, ``delta_heads`` and
+    ``delta_block_layers``: a Delta stream over its ``2 * num_hidden_layers`` sublayers that
+    leaves the norms to the model's own modules. Built alike by the ``transformers`` model
+    (``attnres.hf.convert``) and the vLLM one (``attnres.serving.converted``)."""
+    heads, block_layers = config.delta_heads, config.delta_block_layers
+    check_routing_options(config, heads, block_layers)
+    return DeltaAttnResStream(config.hidden_size, 2 * config.num_hidden_layers, config.rms_norm_eps, heads=heads,
+                              **routing_blocks(block_layers), own_norms=False)

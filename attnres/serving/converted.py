@@ -1,0 +1,79 @@
+"""``attnres convert``'s Delta AttnRes models in vLLM: the source architecture's own vLLM model
+(its embedding, attention with its rotary scaling, q/k norms and biases, MLP or sparse MoE
+block, norms and head, and its weight loading), with the Delta routing between its sublayers.
+
+vLLM passes the tokens of every request flat, ``[N]``; the routing runs its ordinary pass on
+them as one row ``[1, N, D]`` (per token, so exact), each layer's norms applied to what the
+routing reads (``own_norms=False``), as ``attnres.hf.convert.DeltaRoutingForCausalLM`` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..streams.delta import converted_routing
+
+#: the converted architectures -> (vLLM's module of the source, its causal LM class)
+SOURCE_MODELS = {
+    "Llama": ("llama", "LlamaForCausalLM"),
+    "Mistral": ("mistral", "MistralForCausalLM"),
+    "Qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "Mixtral": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3Moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+class DeltaRouting:
+    """The forward pass shared by every converted architecture (mixed into vLLM's causal LM of
+    its source, whose ``__init__`` builds the base model)."""
+
+    def _init_routing(self, vllm_config) -> None:
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"converted attnres models are served on one device: tensor_parallel_size="
+                             f"{parallel.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{parallel.pipeline_parallel_size}; both must be 1")
+        self.routing = converted_routing(vllm_config.model_config.hf_config)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normalized hidden states ``[N, D]`` of the flat batch ``input_ids`` ``[N]``."""
+        base = self.model
+        x = inputs_embeds if inputs_embeds is not None else base.embed_input_ids(input_ids)
+        routing = self.routing
+        state = routing.init(x[None])
+        for l, layer in enumerate(base.layers):
+            h = layer.input_layernorm(routing.read(state, 2 * l)[0])
+            state = routing.write(state, 2 * l, layer.self_attn(positions=positions, hidden_states=h)[None])
+            h = layer.post_attention_layernorm(routing.read(state, 2 * l + 1)[0])
+            mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Mixtral's name
+            state = routing.write(state, 2 * l + 1, mlp(h)[None])
+        return base.norm(routing.output(state)[0])
+
+
+def _make_class(name: str) -> type:
+    module, source = SOURCE_MODELS[name]
+    base = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), source)
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        self._init_routing(vllm_config)
+
+    return type(f"AttnRes{name}ForCausalLM", (DeltaRouting, base), {
+        "__module__": __name__,
+        "__init__": __init__,
+        "__doc__": f"vLLM's {source} with Delta AttnRes routing around its sublayers.",
+    })
+
+
+def __getattr__(name: str):
+    """``AttnRes<Source>ForCausalLM``, built when vLLM asks for it (the plugin registers the
+    ``module:Class`` form, so only the served source's vLLM module is imported)."""
+    source = name.removeprefix("AttnRes").removesuffix("ForCausalLM")
+    if source in SOURCE_MODELS and name == f"AttnRes{source}ForCausalLM":
+        cls = globals()[name] = _make_class(source)
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

