@@ -483,3 +483,19 @@ def test_the_hf_classes_decode_when_they_continue_from_a_cache(name, monkeypatch
     generated = model.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False)
     assert len(made) == 5 and all(isinstance(d, Decoder) for d in made)
     assert torch.equal(generated, model.generate(ids(b=1, t=5), max_new_tokens=6, do_sample=False, use_cache=False))
+
+
+@pytest.mark.parametrize("config,message", [
+    (None, r"is not a model folder: .*config.json does not exist"),
+    ({"architectures": ["GPT2LMHeadModel"]}, r"declares architecture 'GPT2LMHeadModel', which attnres does not serve"),
+    ({"architectures": ["AttnResForCausalLM"]}, r"vLLM is not installed in this environment: `make serve-setup`"),
+])
+def test_serve_checks_the_folder_before_starting_vllm(tmp_path, capsys, config, message):
+    """``attnres serve`` in the main environment (no vLLM): a folder it cannot serve is refused
+    naming why; a served one is refused naming the serving environment."""
+    from attnres.cli import main
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["serve", str(tmp_path)]) == 2
+    assert re.search(message, capsys.readouterr().err)
