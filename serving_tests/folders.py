@@ -24,10 +24,19 @@ NATIVE = {
     "mhar": {"residual": "block", "block_size": 2, "heads": 2},  # multi-head AttnRes
     "full": {"residual": "full"},
     "delta": {"residual": "delta", "block_size": 2},
+    "hc": {"residual": "hc"},
     "mhc": {"residual": "mhc"},
+    "gr": {"residual": "gr"},
     "block-moe": {"residual": "block", "block_size": 2, "moe_experts": 4, "moe_top_k": 2},
 }
-CONVERTED = ("llama", "qwen3")
+#: converted sources served in the tests -> their transformers classes' names and options
+CONVERTED = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 128}),
+}
 
 
 def _draw_routing(module: torch.nn.Module) -> None:
@@ -41,7 +50,7 @@ def _write_reference(model, folder: Path, head: torch.nn.Linear) -> None:
     from attnres.hf.tokenizer import byte_tokenizer
 
     with torch.no_grad():
-        head.weight.mul_(8)
+        head.weight.mul_(20)
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     prompts = [list(p.encode()) for p in PROMPTS]
@@ -72,21 +81,22 @@ def native_folder(name: str, folder: Path) -> Path:
 
 def converted_folder(source: str, folder: Path) -> Path:
     """A random ``source`` model (``CONVERTED``) converted by ``attnres convert``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     from attnres.hf import convert_checkpoint
     from attnres.hf.tokenizer import byte_tokenizer
 
     torch.manual_seed(0)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[source]
-    base = model_cls(config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-                                initializer_range=0.1))
+    config_name, model_name, options = CONVERTED[source]
+    config = getattr(transformers, config_name)(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, initializer_range=0.1, **options)
+    base = getattr(transformers, model_name)(config)
     src = folder.parent / f"{folder.name}-source"
     base.save_pretrained(src)
     byte_tokenizer().save_pretrained(src)
     convert_checkpoint(src, folder, heads=2, block_layers=2)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     _draw_routing(model.routing)
     _write_reference(model, folder, model.lm_head)
     return folder

@@ -1,5 +1,6 @@
 """vLLM serves attnres's models (``attnres.serving``): its greedy tokens equal our
-``transformers`` models' for native designs and converted Llama and Qwen3 folders, a batch of
+``transformers`` models' for native designs and converted Llama, Qwen3, Mixtral and Qwen3-MoE
+folders, a batch of
 prompts of mixed lengths equals each prompt decoded alone, and ``attnres serve`` answers an
 OpenAI completion request with the same tokens.
 

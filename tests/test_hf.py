@@ -397,13 +397,20 @@ def test_uneven_blocks_convert_exactly_and_round_trip(tmp_path):
 def test_moe_models_convert_save_load_and_generate_as_their_source(kind, tmp_path):
     """A tiny Mixtral or Qwen3-MoE saved as a Hugging Face folder, converted by the command:
     loaded back it computes the source's logits exactly and generates its greedy tokens, with
-    the cache and without; off the zero init the routing changes the logits."""
+    the cache and without; off the zero init the routing changes the logits. The folder holds
+    the experts' weights under the source's own names (what vLLM and other tools read), not as
+    the fused tensors ``transformers`` keeps in memory."""
+    from safetensors import safe_open
+
     src = source_model(kind)
     src.save_pretrained(tmp_path / "src")
     byte_tokenizer().save_pretrained(tmp_path / "src")
     from attnres.cli import main
 
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--heads", "4", "--block-layers", "1,3"]) in (0, None)
+    with safe_open(tmp_path / "dst" / "model.safetensors", "pt") as saved, \
+            safe_open(tmp_path / "src" / "model.safetensors", "pt") as source:
+        assert set(saved.keys()) - set(source.keys()) == {n for n in saved.keys() if n.startswith("routing.")}
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst")).eval()
     assert type(loaded).__name__ == f"AttnRes{type(src).__name__}"
     assert loaded.routing.block_sizes == (2, 6)

@@ -147,9 +147,18 @@ CONVERTED = {source: _make_classes(source) for source in SOURCES}
 
 
 def register() -> None:
-    for config, model in CONVERTED.values():
+    """The converted types with the Auto classes; a source whose checkpoints ``transformers``
+    converts on load and back on save (Mixtral's and Qwen3-MoE's per-expert weights, fused in
+    memory) lends its conversion to its converted type, so that a converted folder holds its
+    weights under the source's names, as other tools (vLLM) read them."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+
+    for source, (config, model) in CONVERTED.items():
         AutoConfig.register(config.model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
+        mapping = get_checkpoint_conversion_mapping(source)
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(config.model_type, mapping, overwrite=True)
 
 
 def routing_parameters(model) -> dict[str, torch.nn.Parameter]:

@@ -10,10 +10,11 @@ model code is imported before a model is built:
 - ``AttnRes<Source>ForCausalLM``: ``attnres convert``'s Delta AttnRes models, vLLM's own layers
   of the source architecture with our routing between them (``converted``).
 
-The routing runs per token on the flat ``[tokens, D]`` batch vLLM passes, as an ordinary pass
-of the stream (never the decode path, which is for one step of whole sequences): depth routing
-mixes a token's own sublayer outputs, so vLLM's paged KV cache and continuous batching serve it
-as they are. This package needs no part of ``attnres.hf``: the serving environment holds an
+The routing runs per token on the flat ``[tokens, D]`` batch vLLM passes (prompt tokens and
+decode steps of many requests together), through the stream's decoder (``Stream.decoder``: one
+buffer of sources, read at any number of positions, exact as the ordinary pass is), whatever
+the batch's shape: depth routing mixes a token's own sublayer outputs, so vLLM's paged KV cache
+and continuous batching serve it as they are. This package needs no part of ``attnres.hf``: the serving environment holds an
 older ``transformers`` (README, "Serving").
 """
 

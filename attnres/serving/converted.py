@@ -2,9 +2,10 @@
 (its embedding, attention with its rotary scaling, q/k norms and biases, MLP or sparse MoE
 block, norms and head, and its weight loading), with the Delta routing between its sublayers.
 
-vLLM passes the tokens of every request flat, ``[N]``; the routing runs its ordinary pass on
-them as one row ``[1, N, D]`` (per token, so exact), each layer's norms applied to what the
-routing reads (``own_norms=False``), as ``attnres.hf.convert.DeltaRoutingForCausalLM`` does.
+vLLM passes the tokens of every request flat, ``[N]``; the routing runs on them as one row
+``[1, N, D]`` (per token, so exact), through its decoder with autograd off, each layer's norms
+applied to what the routing reads (``own_norms=False``), as
+``attnres.hf.convert.DeltaRoutingForCausalLM`` does.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class DeltaRouting:
         """The final normalized hidden states ``[N, D]`` of the flat batch ``input_ids`` ``[N]``."""
         base = self.model
         x = inputs_embeds if inputs_embeds is not None else base.embed_input_ids(input_ids)
-        routing = self.routing
-        state = routing.init(x[None])
+        x = x[None]
+        routing = self.routing.decoder(x) if not torch.is_grad_enabled() else self.routing
+        state = routing.init(x)
         for l, layer in enumerate(base.layers):
             h = layer.input_layernorm(routing.read(state, 2 * l)[0])
             state = routing.write(state, 2 * l, layer.self_attn(positions=positions, hidden_states=h)[None])

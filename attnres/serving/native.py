@@ -5,8 +5,9 @@ The model keeps the reference ``Transformer``'s modules and names (``model.tok_e
 ``model.layers.{l}.attn.wq`` ..., ``model.stream``, ``model.lm_head``), so the folder's
 safetensors load by name; only the attention's score computation is vLLM's (``PagedAttention``:
 its paged KV cache, shared by the requests of a continuous batch). vLLM passes the tokens of
-every request flat, ``[N]`` with their ``positions`` ``[N]``; the stream runs its ordinary pass on
-them as one row ``[1, N, D]``, which is exact because every design's routing is per token.
+every request flat, ``[N]`` with their ``positions`` ``[N]``; the stream runs on them as one row
+``[1, N, D]`` through its decoder (with autograd off, as vLLM runs; the ordinary pass where a
+design has none), which is exact because every design's routing is per token.
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ class Model(nn.Module):
     def hidden_states(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The stream's output ``[N, D]`` for the embedded tokens ``x`` ``[N, D]`` at
         ``positions`` ``[N]``: each sublayer read, run and written in turn, as
-        ``Transformer.run_sublayers`` does, on the tokens as one row."""
+        ``Transformer.run_sublayers`` does, on the tokens as one row (through the stream's
+        decoder with autograd off)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        stream, layers = self.stream, list(self.layers)
-        state = stream.init(x[None])
+        x, layers = x[None], list(self.layers)
+        stream = self.stream.decoder(x) if not torch.is_grad_enabled() else self.stream
+        state = stream.init(x)
         for i in range(self.config.num_sublayers):
             layer, h = layers[i >> 1], stream.read(state, i)
             v = layer.attn(h[0], cos, sin)[None] if i % 2 == 0 else layer.mlp(h)
