@@ -17,27 +17,22 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..model import ModelConfig, apply_rope, mlp, rope_tables
+from ..model import Attention, ModelConfig, apply_rope, mlp, rope_tables
 from ..streams import build_stream
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Attention):
     """``model.Attention``'s projections and RoPE around vLLM's paged attention.
 
     ``x`` ``[N, D]`` (the flat batch), ``cos``/``sin`` ``[N, head_dim]`` (each token's RoPE row)
     -> ``[N, D]``. The KV cache is vLLM's, bound to the layer named ``prefix``."""
 
     def __init__(self, config: ModelConfig, cache_config, prefix: str):
-        super().__init__()
-        from vllm.model_executor.layers.attention import Attention
+        super().__init__(config)
+        from vllm.model_executor.layers.attention import Attention as VllmAttention
 
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
-        self.paged = Attention(self.n_heads, self.head_dim, self.head_dim ** -0.5, num_kv_heads=self.n_kv_heads,
-                               cache_config=cache_config, prefix=f"{prefix}.paged")
+        self.paged = VllmAttention(self.n_heads, self.head_dim, self.head_dim ** -0.5, num_kv_heads=self.n_kv_heads,
+                                   cache_config=cache_config, prefix=f"{prefix}.paged")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         N = x.shape[0]
