@@ -642,3 +642,151 @@ def test_decode_read_matches_naive(backend, dtype, score, key_norm, heads, gated
         want = ops.backend("naive").decode_read(buffer, count, query, **args)
         assert got.dtype == dtype and got.shape == (2, 1, 16)
         torch.testing.assert_close(got, want, **tol)
+
+
+# -- the multi-stream designs' operations (HC, mHC, GR) ------------------------------------------
+
+STREAM_SHAPES = [
+    pytest.param(1, 7, (2,), id="n1-D7"),
+    pytest.param(2, 5, (3, 1), id="n2-D5"),
+    pytest.param(3, 10, (17,), id="n3-D10"),
+    pytest.param(4, 96, (2, 9), id="n4-D96"),
+    pytest.param(5, 33, (4,), id="n5-D33"),
+]
+
+
+def stream_inputs(n, dim, lead, dtype, seed=0, expanded=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    if expanded:  # the embedding broadcast to every stream, as a stream's init makes it
+        e = draw(*lead, dim)
+        H = e.unsqueeze(-2).expand(*lead, n, dim)
+        return e, H, draw(*lead, n), draw(*lead, n, n), draw(*lead, n), draw(*lead, dim)
+    H = draw(*lead, n, dim)
+    return H, H, draw(*lead, n), draw(*lead, n, n), draw(*lead, n), draw(*lead, dim)
+
+
+def stream_cases(ops_):
+    """Each operation with the inputs its gradients go to: ``name -> (fn(H, w, A, b, v), which)``."""
+    return {
+        "mix": (lambda H, w, A, b, v: ops_.stream_mix(H, w), "w"),
+        "update": (lambda H, w, A, b, v: ops_.stream_update(H, A, b, v), "Abv"),
+        "update-transposed": (lambda H, w, A, b, v: ops_.stream_update(H, A, b, v, transposed=True), "Abv"),
+        "update-identity": (lambda H, w, A, b, v: ops_.stream_update(H, None, b, v), "bv"),
+    }
+
+
+@pytest.mark.parametrize("op", ["mix", "update", "update-transposed", "update-identity"])
+@pytest.mark.parametrize("expanded", [False, True], ids=["", "expanded"])
+@pytest.mark.parametrize("n,dim,lead", STREAM_SHAPES)
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("backend", OTHERS)
+def test_stream_ops_match_naive(op, expanded, n, dim, lead, dtype, tol, backend):
+    use(backend, dtype)
+    leaf, H, w, A, b, v = stream_inputs(n, dim, lead, dtype, expanded=expanded)
+    fn, which = stream_cases(ops.backend(backend))[op]
+    ref_fn, _ = stream_cases(ops.backend("naive"))[op]
+    inputs = [leaf] + [dict(w=w, A=A, b=b, v=v)[name] for name in which]
+    fast, ref = fn(H, w, A, b, v), ref_fn(H, w, A, b, v)
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+    cot = torch.randn_like(ref)
+    assert_grads_close(grads(fast, inputs, cot), grads(ref, inputs, cot), 10 * tol)
+
+
+@pytest.mark.parametrize("op", ["mix", "update", "update-transposed", "update-identity"])
+@pytest.mark.parametrize("backend", EVERY)
+def test_stream_ops_gradcheck_fp64(op, backend):
+    use(backend, torch.float64)
+    _, H, w, A, b, v = stream_inputs(3, 6, (2, 2), torch.float64, seed=1)
+    fn, which = stream_cases(ops.backend(backend))[op]
+    named = dict(w=w, A=A, b=b, v=v)
+    inputs = [H] + [named[name] for name in which]
+
+    def f(H, *rest):
+        given = dict(named, **dict(zip(which, rest)))
+        return fn(H, given["w"], given["A"], given["b"], given["v"])
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+def test_stream_ops_leave_frozen_inputs_without_gradient(backend):
+    use(backend)
+    _, H, w, A, b, v = stream_inputs(3, 8, (5,), torch.float32)
+    A.requires_grad_(False)
+    v.requires_grad_(False)
+    out = ops.backend(backend).stream_update(H, A, b, v)
+    out.sum().backward()
+    assert A.grad is None and v.grad is None and H.grad is not None and b.grad is not None
+
+
+SINKHORN = [
+    pytest.param(1, 20, (3,), id="n1"),
+    pytest.param(2, 1, (4,), id="n2-1it"),
+    pytest.param(3, 7, (17,), id="n3-7it"),
+    pytest.param(4, 20, (2, 9), id="n4-20it"),
+    pytest.param(5, 3, (6,), id="n5-3it"),
+]
+
+
+@pytest.mark.parametrize("n,iterations,lead", SINKHORN)
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("backend", OTHERS)
+def test_sinkhorn_matches_naive_through_its_iterations(n, iterations, lead, dtype, tol, backend):
+    """The backward is autograd's through every iteration (not the implicit gradient at
+    convergence): after few iterations, far from doubly stochastic, the two would differ."""
+    use(backend, dtype)
+    g = torch.Generator().manual_seed(n)
+    logits = (3 * torch.randn(*lead, n, n, generator=g, dtype=dtype)).requires_grad_()
+    fast = ops.backend(backend).sinkhorn(logits, iterations)
+    ref = ops.sinkhorn(logits, iterations)
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+    cot = torch.randn_like(ref)
+    assert_grads_close(grads(fast, [logits], cot), grads(ref, [logits], cot), 10 * tol)
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+def test_sinkhorn_with_tied_maxima_and_a_small_line(backend):
+    """Tied maxima share the shift's gradient as ``amax`` does; a row of exp(-30) has a large
+    reciprocal."""
+    use(backend)
+    logits = torch.tensor([[[1.0, 1.0, 0.0], [0.5, 1.0, -1.0], [-30.0, -30.0, -30.0]],
+                           [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0], [0.0, 1.0, 2.0]]], requires_grad=True)
+    fast = ops.backend(backend).sinkhorn(logits, 5)
+    ref = ops.sinkhorn(logits, 5)
+    torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+    cot = torch.randn_like(ref)
+    assert_grads_close(grads(fast, [logits], cot), grads(ref, [logits], cot), 1e-5)
+
+
+@pytest.mark.parametrize("backend", EVERY)
+def test_sinkhorn_gradcheck_fp64(backend):
+    use(backend, torch.float64)
+    logits = torch.randn(3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: ops.backend(backend).sinkhorn(x, 6), (logits,))
+
+
+@pytest.mark.parametrize("iterations", [0, -1, 2.0, True])
+@pytest.mark.parametrize("backend", EVERY)
+def test_sinkhorn_refuses_a_bad_number_of_iterations(iterations, backend):
+    use(backend)
+    with pytest.raises(ValueError, match=f"iterations={iterations!r} must be an integer >= 1"):
+        ops.backend(backend).sinkhorn(torch.zeros(2, 3, 3), iterations)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("shape,cols", [((5, 12), 1), ((3, 4, 12), 5), ((2, 1, 384), 24)])
+def test_rms_norm_project_is_the_norm_then_the_product(dtype, tol, shape, cols):
+    g = torch.Generator().manual_seed(cols)
+    x = (3 * torch.randn(*shape, generator=g, dtype=dtype)).requires_grad_()
+    W = torch.randn(shape[-1], cols, generator=g, dtype=dtype).requires_grad_()
+    fast = ops.rms_norm_project(x, W, 1e-5)
+    ref = rms_norm(x, eps=1e-5) @ W
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+    cot = torch.randn_like(ref)
+    assert_grads_close(grads(fast, [x, W], cot), grads(ref, [x, W], cot), 10 * tol)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda x, W: ops.rms_norm_project(x, W, 1e-5), (x, W))

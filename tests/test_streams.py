@@ -572,3 +572,40 @@ def test_one_token_without_the_flag_runs_the_ordinary_pass(kind, state_type, sha
         d_reads, d_out, _ = run(stream.decoder(e), e, RandomSublayers())
     for a, b in zip(reads + [out], d_reads + [d_out]):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind,options", [("hc", dict(streams=3)), ("mhc", dict(streams=4, sinkhorn_iterations=5)),
+                                          ("gr", dict(streams=2, rank=3))])
+@pytest.mark.parametrize("dtype,tol", [pytest.param(torch.float32, 2e-5, id="fp32"),
+                                       pytest.param(torch.float64, 1e-11, id="fp64")])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_multi_stream_designs_on_every_backend_equal_the_reference(kind, options, dtype, tol, backend):
+    """HC, mHC and GR with their per-token work on each backend (the CPU kernels, Triton's,
+    PyTorch ops): every read, the output and every gradient (the embedding's and every
+    parameter's) equal the same stream on the naive backend."""
+    from attnres.ops import BACKENDS, Request
+
+    problem = BACKENDS[backend].problem(Request("cpu", dtype))
+    if problem:
+        pytest.skip(f"backend {backend!r} cannot run here: {problem}")
+    weights = [w.to(dtype) for w in RandomSublayers().weights]
+    results = []
+    for name in (backend, "naive"):
+        torch.manual_seed(0)  # GR draws its initial gates
+        stream = randomized(build_stream(kind, dim=D, num_sublayers=M, backend=name, **options)).to(dtype)
+        e = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(1), dtype=dtype).requires_grad_()
+        state, reads = stream.init(e), []
+        for i in range(M):
+            reads.append(stream.read(state, i))
+            state = stream.write(state, i, torch.tanh(reads[-1] @ weights[i]))
+        out = stream.output(state)
+        loss = sum((r * (k + 1)).sum() for k, r in enumerate(reads)) + out.square().sum()
+        results.append([*reads, out, *torch.autograd.grad(loss, [e, *stream.parameters()])])
+    for a, b in zip(*results):
+        scale = b.abs().max().clamp_min(1e-30)
+        assert (a - b).abs().max() <= tol * scale
+
+
+def test_a_multi_stream_design_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend='gpu' is not one of"):
+        build_stream("mhc", dim=D, num_sublayers=M, backend="gpu")

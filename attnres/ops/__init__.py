@@ -5,14 +5,14 @@
 - ``DepthRouter`` / ``RoutingMemo``: how a stream routes (``ops.routing``).
 - ``BACKENDS``, ``backend``, ``pick``: the registry of backends (``ops.registry``), each one's
   operations a ``BackendOps``.
-- ``RMSNorm``, ``rms_norm``, ``rms``, ``sinkhorn``: the other math of the streams.
+- ``RMSNorm``, ``rms_norm``, ``rms_norm_project``, ``rms``, ``sinkhorn``: the other math of the streams.
 """
 
 from .backends import BackendOps
 from .backends.naive import depth_attention_naive
 from .depth_attention import check_depth_inputs, depth_attention
 from .registry import BACKENDS, NAMES, SCORES, Backend, Request, get, pick
-from .rmsnorm import RMSNorm, rms, rms_norm
+from .rmsnorm import RMSNorm, rms, rms_norm, rms_norm_project
 from .routing import DepthRouter, RoutingMemo
 from .sinkhorn import sinkhorn
 
@@ -39,5 +39,6 @@ __all__ = [
     "pick",
     "rms",
     "rms_norm",
+    "rms_norm_project",
     "sinkhorn",
 ]

@@ -93,6 +93,49 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.to(x.dtype), d_weight, None
 
 
+def rms_norm_project(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``rms_norm(x, eps=eps) @ weight``, ``[..., K] x [K, C] -> [..., C]``, computed as
+    ``rr * (x @ weight)`` with ``rr = rsqrt(mean(x^2) + eps)`` per row: the normalized ``x`` is
+    never formed, forward or backward (``RMSNormProjectFunction``). The multi-stream designs'
+    coefficients (HC per stream, mHC over all streams) are this with ``C`` a few numbers, where
+    forming ``rms_norm(x)`` costs several passes over ``[..., K]`` and the product one."""
+    return RMSNormProjectFunction.apply(x, weight, eps)
+
+
+class RMSNormProjectFunction(torch.autograd.Function):
+    """``z = rr * (x @ W)`` in ``x``'s math dtype (fp32, fp64 for fp64), cast to ``W``'s
+    promotion with it. Backward, with ``y = x @ W`` and ``K`` the row width::
+
+        dx = rr * (dz @ W^T) - x * (rr^3 / K) * sum_c(dz * y)
+        dW = x^T @ (rr * dz)
+
+    It keeps ``x`` (the caller's state, kept anyway), ``rr`` ``[..., 1]`` and ``y`` ``[..., C]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        dt = torch.promote_types(torch.promote_types(x.dtype, torch.float32), weight.dtype)
+        xf, wf = x.to(dt), weight.to(dt)
+        K = x.shape[-1]
+        rr = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(K).add_(eps))
+        y = xf @ wf
+        ctx.save_for_backward(x, weight, rr, y)
+        return y * rr
+
+    @staticmethod
+    def backward(ctx, dz):
+        x, weight, rr, y = ctx.saved_tensors
+        dt, K = rr.dtype, x.shape[-1]
+        xf, wf = x.to(dt), weight.to(dt)
+        dzr = dz.to(dt) * rr  # [..., C]
+        dx = dW = None
+        if ctx.needs_input_grad[0]:
+            coef = (dz.to(dt) * y).sum(-1, keepdim=True).mul_(rr.pow(3)).div_(-K)  # [..., 1]
+            dx = (dzr @ wf.T).addcmul_(xf, coef).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dW = (xf.reshape(-1, K).T @ dzr.reshape(-1, dzr.shape[-1])).to(weight.dtype)
+        return dx, dW, None
+
+
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square over the last dim, in fp32: ``[..., D] -> [...]``."""
     return x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1).sqrt()

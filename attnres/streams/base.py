@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from torch import nn
 
-from ..ops import RMSNorm, rms
+from ..ops import BackendOps, Request, RMSNorm, get, pick, rms
 
 
 @dataclass
@@ -251,13 +251,26 @@ class Stream(nn.Module):
 
 class MultiStream(Stream):
     """Base of the designs that keep ``n`` copies of the hidden state, ``[..., n, D]``, each
-    starting as a copy of the embedding (HC, mHC, GR)."""
+    starting as a copy of the embedding (HC, mHC, GR).
 
-    def __init__(self, dim: int, num_sublayers: int, eps: float, streams: int, minimum: int = 1):
+    Their per-token work (a read's mix, a write's update, mHC's Sinkhorn) runs on a backend of
+    ``ops`` (``BackendOps.stream_mix``, ``stream_update``, ``sinkhorn``): ``backend`` names it
+    (``"auto"``: ``ops.pick``'s choice for the state's device and dtype, the CPU kernels for
+    fp32/fp64 CPU tensors)."""
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float, streams: int, minimum: int = 1,
+                 backend: str = "auto"):
         super().__init__(dim, num_sublayers, eps)
         if not isinstance(streams, int) or streams < minimum:
             raise ValueError(f"streams={streams!r} must be an integer >= {minimum} for {self.kind}")
+        if backend != "auto":
+            get(backend)  # ValueError naming the accepted ones
         self.streams = streams
+        self.backend = backend
+
+    def _ops(self, like: torch.Tensor) -> BackendOps:
+        """The operations of the backend that serves a pass over ``like``'s device and dtype."""
+        return pick(self.backend, Request(like.device.type, like.dtype)).ops
 
     def _init(self, e: torch.Tensor) -> torch.Tensor:
         return e.unsqueeze(-2).expand(*e.shape[:-1], self.streams, self.dim)
@@ -266,7 +279,7 @@ class MultiStream(Stream):
         return H.shape[:-2] + H.shape[-1:], H.device
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, streams={self.streams}"
+        return f"{super().extra_repr()}, streams={self.streams}, backend={self.backend}"
 
 
 def refuse_index(who: str, num_sublayers: int, i: Any, operation: str) -> NoReturn:

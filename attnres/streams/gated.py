@@ -37,8 +37,9 @@ class GatedResidualStream(MultiStream):
         *,
         streams: int = 4,
         rank: int | None = None,
+        backend: str = "auto",
     ):
-        super().__init__(dim, num_sublayers, eps, streams)
+        super().__init__(dim, num_sublayers, eps, streams, backend=backend)
         rank = max(1, dim // 8) if rank is None else rank
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank={rank!r} must be a positive integer (default dim // 8)")
@@ -81,7 +82,7 @@ class GatedResidualStream(MultiStream):
         # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
         flat = self._normalized(R, i).flatten(-2) / self.streams
         s = 2 * torch.sigmoid(flat @ self.inject[i].T)  # [..., n_r]
-        return R + s.unsqueeze(-1) * v.unsqueeze(-2)
+        return self._ops(R).stream_update(R, None, s.to(R.dtype), v)  # R + s v
 
     def _output(self, R: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._gated_read(R, self.num_sublayers, trace)

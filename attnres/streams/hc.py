@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import rms_norm
+from ..ops import rms_norm_project
 from .base import MultiStream, Trace
 
 
 class HyperConnectionStream(MultiStream):
     kind = "hc"
 
-    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4):
-        super().__init__(dim, num_sublayers, eps, streams)
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4,
+                 backend: str = "auto"):
+        super().__init__(dim, num_sublayers, eps, streams, backend=backend)
         n, m = streams, num_sublayers
         self.read_proj = nn.Parameter(torch.empty(m, dim))  # W_m
         self.mix_proj = nn.Parameter(torch.empty(m, dim, n))  # W_r
@@ -52,24 +53,28 @@ class HyperConnectionStream(MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"read_static", "mix_static", "write_static"}
 
-    def _hbar(self, H: torch.Tensor) -> torch.Tensor:
-        return rms_norm(H, eps=self.eps)
+    def _projected(self, H: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """``Hbar W`` ``[..., n, C]`` for ``W`` ``[D, C]``, without forming ``Hbar``
+        (``ops.rms_norm_project``)."""
+        return rms_norm_project(H, W, self.eps)
 
     def _mix_read(self, H: torch.Tensor, i: int) -> torch.Tensor:
-        a_m = self.read_scale[i] * torch.tanh(self._hbar(H) @ self.read_proj[i]) + self.read_static[i]
-        return (a_m.unsqueeze(-1).to(H.dtype) * H).sum(-2)  # [..., D]
+        z = self._projected(H, self.read_proj[i].unsqueeze(-1)).squeeze(-1)  # Hbar W_m, [..., n]
+        a_m = self.read_scale[i] * torch.tanh(z) + self.read_static[i]
+        return self._ops(H).stream_mix(H, a_m.to(H.dtype))  # [..., D]
 
     def _read(self, H: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(i, self._mix_read(H, i), trace)
 
     def _write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
-        # Hbar is recomputed rather than carried from read: it costs O(n D) per token and keeps
-        # the state a plain tensor.
-        hbar = self._hbar(H)
-        a_r = self.read_scale[i] * torch.tanh(hbar @ self.mix_proj[i]) + self.mix_static[i]  # [..., n(k), n(j)]
-        b = self.write_scale[i] * torch.tanh(hbar @ self.write_proj[i]) + self.write_static[i]  # [..., n]
-        mixed = torch.einsum("...kj,...kd->...jd", a_r.to(H.dtype), H)
-        return mixed + b.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
+        # Hbar's projections are recomputed rather than carried from read: they cost O(n D) per
+        # token and keep the state a plain tensor. W_r and W_b in one product: [D, n + 1].
+        n = self.streams
+        z = self._projected(H, torch.cat([self.mix_proj[i], self.write_proj[i].unsqueeze(-1)], dim=-1))
+        a_r = self.read_scale[i] * torch.tanh(z[..., :n]) + self.mix_static[i]  # [..., n(k), n(j)]
+        b = self.write_scale[i] * torch.tanh(z[..., n]) + self.write_static[i]  # [..., n]
+        # H'_j = sum_k A_r[k, j] H_k + B[j] v: A_r given as indexed [k, j]
+        return self._ops(H).stream_update(H, a_r.to(H.dtype), b.to(H.dtype), v, transposed=True)
 
     def _output(self, H: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, H.sum(-2), trace)

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from ..ops import rms_norm, sinkhorn
+from ..ops import rms_norm_project
 from .base import MultiStream, Trace
 
 
@@ -33,8 +33,9 @@ class ManifoldHyperConnectionStream(MultiStream):
         *,
         streams: int = 4,
         sinkhorn_iterations: int = 20,
+        backend: str = "auto",
     ):
-        super().__init__(dim, num_sublayers, eps, streams, minimum=2)
+        super().__init__(dim, num_sublayers, eps, streams, minimum=2, backend=backend)
         if not isinstance(sinkhorn_iterations, int) or sinkhorn_iterations < 1:
             raise ValueError(f"sinkhorn_iterations={sinkhorn_iterations!r} must be >= 1")
         n, m = streams, num_sublayers
@@ -62,31 +63,35 @@ class ManifoldHyperConnectionStream(MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"bias", "scales"}
 
-    def _logits(self, H: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-activation logits ``[..., n]``, ``[..., n]``, ``[..., n, n]`` of site ``i``."""
+    def _projected(self, H: torch.Tensor, i: int, start: int, stop: int | None) -> torch.Tensor:
+        """``u Phi`` ``[..., stop - start]``: the columns ``start:stop`` of site ``i``'s
+        projections of ``u = RMSNorm(vec(H))``, without forming ``u`` (``ops.rms_norm_project``)."""
+        return rms_norm_project(H.flatten(-2), self.proj[i][:, start:stop], self.eps)
+
+    def _write_logits(self, H: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Site ``i``'s pre-activation logits of ``Hpost`` ``[..., n]`` and ``Hres`` ``[..., n, n]``."""
         n = self.streams
-        u = rms_norm(H.flatten(-2), eps=self.eps)  # [..., n*D]
-        z = u.to(self.proj.dtype) @ self.proj[i]  # [..., 2n + n^2]
-        pre, post, res = z.split([n, n, n * n], dim=-1)
-        b_pre, b_post, b_res = self.bias[i].split([n, n, n * n])
-        a = self.scales[i]
-        return a[0] * pre + b_pre, a[1] * post + b_post, (a[2] * res + b_res).unflatten(-1, (n, n))
+        post, res = self._projected(H, i, n, None).split([n, n * n], dim=-1)
+        b_post, b_res = self.bias[i, n:].split([n, n * n])
+        return self.scales[i, 1] * post + b_post, (self.scales[i, 2] * res + b_res).unflatten(-1, (n, n))
 
     def mixing_matrix(self, H: torch.Tensor, i: int) -> torch.Tensor:
         """``Hres`` ``[..., n, n]`` of site ``i``: doubly stochastic."""
-        return sinkhorn(self._logits(H, i)[2], self.sinkhorn_iterations)
+        return self._ops(H).sinkhorn(self._write_logits(H, i)[1], self.sinkhorn_iterations)
 
     def _read(self, H: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
-        h_pre = torch.sigmoid(self._logits(H, i)[0])  # [..., n]
-        return self._finish_read(i, (h_pre.unsqueeze(-1).to(H.dtype) * H).sum(-2), trace)
+        n = self.streams
+        h_pre = torch.sigmoid(self.scales[i, 0] * self._projected(H, i, 0, n) + self.bias[i, :n])  # [..., n]
+        return self._finish_read(i, self._ops(H).stream_mix(H, h_pre.to(H.dtype)), trace)
 
     def _write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # The logits are recomputed rather than carried from read (one small matmul per token)
         # so that the state stays a plain tensor.
-        _, post, res = self._logits(H, i)
+        post, res = self._write_logits(H, i)
         h_post = 2 * torch.sigmoid(post)  # [..., n]
-        h_res = sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
-        return h_res.to(H.dtype) @ H + h_post.unsqueeze(-1).to(H.dtype) * v.unsqueeze(-2)
+        ops = self._ops(H)
+        h_res = ops.sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
+        return ops.stream_update(H, h_res.to(H.dtype), h_post.to(H.dtype), v)
 
     def _output(self, H: torch.Tensor, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, H.mean(-2), trace)

@@ -94,5 +94,28 @@ class BackendOps:
         its backward, the gradients of the sources a ledger tracks to the ledger."""
         raise NotImplementedError(f"backend {self.name!r} does not defer source gradients")
 
+    # -- the multi-stream designs' per-token work (HC, mHC, GR; docs/METHOD.md sections 6-8) ----
+
+    def stream_mix(self, H: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A multi-stream read: ``y = sum_k w[..., k] H[..., k, :]``, streams ``H`` ``[..., n, D]``
+        mixed by weights ``w`` ``[..., n]`` (in ``H``'s dtype) into ``[..., D]``. Gradients flow
+        to both."""
+        raise NotImplementedError
+
+    def stream_update(self, H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor, v: torch.Tensor, *,
+                      transposed: bool = False) -> torch.Tensor:
+        """A multi-stream write: ``H'[..., j, :] = sum_k A[..., j, k] H[..., k, :] + b[..., j] v``
+        ``[..., n, D]`` from ``H`` ``[..., n, D]``, ``A`` ``[..., n, n]`` (indexed ``[..., k, j]``
+        when ``transposed``; None: the identity, ``H' = H + b v``), ``b`` ``[..., n]`` and ``v``
+        ``[..., D]``, all in ``H``'s dtype. Gradients flow to every tensor."""
+        raise NotImplementedError
+
+    def sinkhorn(self, logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
+        """``ops.sinkhorn``: ``exp(logits)`` ``[..., n, n]`` made (nearly) doubly stochastic by
+        ``iterations`` row-then-column normalizations, in the logits' dtype (computed in fp32,
+        fp64 for fp64). The gradient runs back through every iteration, as autograd
+        differentiates ``ops.sinkhorn``."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<{self.name} backend>"

@@ -45,7 +45,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..sinkhorn import sinkhorn
 from ..source_ledger import DeferredRead, tracked
+from . import cpu_streams
 from .common import (
     KeyStatisticsOps,
     compute_dtype,
@@ -55,6 +57,7 @@ from .common import (
     stack_scores,
 )
 from .cpu_build import load_library
+from .naive import stream_mix_naive, stream_update_naive
 
 __all__ = ["OPS", "CpuDepthAttentionFunction", "CpuMergeFunction", "CpuOps"]
 
@@ -836,6 +839,24 @@ class CpuOps(KeyStatisticsOps):
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
         call = decode_read_op if torch.compiler.is_compiling() else decode_kernel
         return call(sources, count, query, heads, eps, score, key_norm, base, gate, weight, norm_eps)
+
+    # The multi-stream operations on their kernels (``cpu_streams``); while ``torch.compile``
+    # traces, the reference's PyTorch forms, which inductor fuses.
+
+    def stream_mix(self, H, w):
+        if torch.compiler.is_compiling():
+            return stream_mix_naive(H, w)
+        return cpu_streams.stream_mix(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        if torch.compiler.is_compiling():
+            return stream_update_naive(H, A, b, v, transposed)
+        return cpu_streams.stream_update(H, A, b, v, transposed)
+
+    def sinkhorn(self, logits, iterations=20):
+        if torch.compiler.is_compiling():
+            return sinkhorn(logits, iterations)
+        return cpu_streams.sinkhorn(logits, iterations)
 
 
 def _check_decode(sources, count, query, heads, base, norm) -> None:

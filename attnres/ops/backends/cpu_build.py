@@ -1,4 +1,5 @@
-"""Compile and load the fused CPU kernels (``csrc/depth_attention_cpu.cpp``) on first use.
+"""Compile and load the fused CPU kernels (``csrc/depth_attention_cpu.cpp`` and
+``csrc/multi_stream_cpu.cpp``, one library) on first use.
 
 The kernels are plain C++ with OpenMP, no PyTorch headers: one ``g++`` call of about two seconds.
 The shared library is cached under ``attnres.cache.cache_dir()`` (``$ATTNRES_CACHE_DIR``, else
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ...cache import cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "depth_attention_cpu.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("depth_attention_cpu.cpp", "multi_stream_cpu.cpp"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -54,7 +55,8 @@ def _build_key(compiler: str) -> str:
     except (OSError, subprocess.SubprocessError) as err:
         raise BuildError(f"no C++ compiler: running {compiler!r} failed ({err}); set CXX to one") from err
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_features().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_features().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -66,13 +68,14 @@ def _compile(compiler: str, target: Path) -> None:
         os.close(fd)
     except OSError as err:
         raise BuildError(f"cannot write the kernel cache {target.parent} ({err}); set ATTNRES_CACHE_DIR") from err
+    names = " and ".join(source.name for source in SOURCES)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            raise BuildError(f"{compiler} failed to compile {SOURCE.name}:\n{done.stderr[-2000:]}")
+            raise BuildError(f"{compiler} failed to compile {names}:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as err:
-        raise BuildError(f"running {compiler} on {SOURCE.name} failed: {err}") from err
+        raise BuildError(f"running {compiler} on {names} failed: {err}") from err
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..rmsnorm import rms_norm
+from ..sinkhorn import sinkhorn
 from . import BackendOps
 
 
@@ -67,6 +68,19 @@ def _route(query, sources, gain, heads, eps, score, key_norm):
     weights = torch.softmax(logits, dim=0) if score == "softmax" else torch.sigmoid(logits)
     mixed = (weights.unsqueeze(-1) * values.unflatten(-1, (heads, -1))).sum(0)  # [..., H, Dh]
     return mixed.flatten(-2).to(sources[0].dtype), weights, logits
+
+
+def stream_mix_naive(H: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_k w[..., k] H[..., k, :]``: ``[..., n, D] x [..., n] -> [..., D]``."""
+    return (w.unsqueeze(-1) * H).sum(-2)
+
+
+def stream_update_naive(H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor, v: torch.Tensor,
+                        transposed: bool = False) -> torch.Tensor:
+    """``A @ H + b v`` per token (``A^T @ H`` when ``transposed``, ``H`` without ``A``):
+    ``[..., n, D]``."""
+    mixed = H if A is None else (A.transpose(-1, -2) if transposed else A) @ H
+    return mixed + b.unsqueeze(-1) * v.unsqueeze(-2)
 
 
 def _normed(x: torch.Tensor, norm) -> torch.Tensor:
@@ -159,6 +173,15 @@ class NaiveOps(BackendOps):
         if grad is not None:
             dv = dv + grad.to(dt)
         return dv.to(source.dtype)
+
+    def stream_mix(self, H, w):
+        return stream_mix_naive(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        return stream_update_naive(H, A, b, v, transposed)
+
+    def sinkhorn(self, logits, iterations=20):
+        return sinkhorn(logits, iterations)
 
 
 OPS = NaiveOps()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..rmsnorm import rms_norm_backward, rms_norm_forward
+from ..sinkhorn import sinkhorn
 from .common import (
     KeyStatisticsOps,
     apply_depth_function,
@@ -56,6 +57,7 @@ from .common import (
     split_query_grad,
     stack_scores,
 )
+from .naive import stream_mix_naive, stream_update_naive
 
 __all__ = ["OPS", "DepthAttentionFunction", "MergeFunction", "TorchOps"]
 
@@ -391,6 +393,18 @@ class TorchOps(KeyStatisticsOps):
         if norm is not None:  # outs[0] is a fresh sum: normalized in place
             outs = (rms_norm_forward(outs[0], norm.weight, norm.eps, in_place=True)[0], *outs[1:])
         return outs, lse
+
+    # The multi-stream operations as plain PyTorch ops (the reference's forms), which autograd
+    # differentiates and inductor fuses.
+
+    def stream_mix(self, H, w):
+        return stream_mix_naive(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        return stream_update_naive(H, A, b, v, transposed)
+
+    def sinkhorn(self, logits, iterations=20):
+        return sinkhorn(logits, iterations)
 
 
 OPS = TorchOps()

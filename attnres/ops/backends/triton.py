@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from ..rmsnorm import RMSNormFunction
-from . import BackendOps
+from ..sinkhorn import sinkhorn
+from . import BackendOps, triton_streams
+from .naive import stream_mix_naive, stream_update_naive
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -319,6 +321,24 @@ class TritonOps(BackendOps):
     def prepare(self, source, *, eps=1e-6, key_norm=True):
         """Nothing: the kernels normalize each source as they read it."""
         return None
+
+    # The multi-stream operations on their kernels (``triton_streams``); while ``torch.compile``
+    # traces, the reference's PyTorch forms, which inductor fuses.
+
+    def stream_mix(self, H, w):
+        if torch.compiler.is_compiling():
+            return stream_mix_naive(H, w)
+        return triton_streams.stream_mix(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        if torch.compiler.is_compiling():
+            return stream_update_naive(H, A, b, v, transposed)
+        return triton_streams.stream_update(H, A, b, v, transposed)
+
+    def sinkhorn(self, logits, iterations=20):
+        if torch.compiler.is_compiling():
+            return sinkhorn(logits, iterations)
+        return triton_streams.sinkhorn(logits, iterations)
 
 
 OPS = TritonOps()

@@ -1,0 +1,161 @@
+"""The multi-stream designs' per-token work on the CPU kernels (``csrc/multi_stream_cpu.cpp``):
+the mix of a read, the update of a write and Sinkhorn-Knopp, each forward and backward one pass
+over the tokens (or the matrices).
+
+Each is an autograd function keeping only its inputs: the mix and the update form their
+gradients from ``H``, the weights and ``v``; Sinkhorn's backward runs the iterations again per
+matrix from the logits (a few hundred numbers) and then reverses them, so it keeps neither the
+``2 x iterations`` intermediate matrices autograd would keep nor anything beyond the logits.
+
+``H`` ``[..., n, D]`` is read in place when its rows are contiguous and its leading dims fold
+into one token stride (the embedding broadcast to every stream, ``e[..., None, :].expand``, is
+read without a copy); anything else is made contiguous first. fp32 or fp64; the other arguments
+in ``H``'s dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..sinkhorn import check_iterations
+from .cpu_build import load_library
+
+_I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32
+_SIGNATURES = {
+    "stream_mix_forward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _PTR, _I32],
+    "stream_mix_backward": [_I64] * 3 + [_PTR, _I64, _I64] + [_PTR] * 4 + [_I32],
+    "stream_update_forward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 3 + [_I32],
+    "stream_update_backward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 7 + [_I32],
+    "sinkhorn_forward": [_I64] * 3 + [_PTR, _PTR, _I32],
+    "sinkhorn_backward": [_I64] * 3 + [_PTR] * 3 + [_I32],
+}
+_kernels: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    fn = _kernels.get((name, dtype))
+    if fn is None:
+        fn = getattr(load_library(), f"attnres_{name}_{'f32' if dtype == torch.float32 else 'f64'}")
+        fn.argtypes, fn.restype = _SIGNATURES[name], None
+        _kernels[(name, dtype)] = fn
+    return fn
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _streams(H: Tensor) -> tuple[Tensor, int, int]:
+    """``H`` ``[..., n, D]`` as ``[T, n, D]`` rows and its token and stream strides."""
+    n, D = H.shape[-2:]
+    rows = H.reshape(-1, n, D)
+    if rows.stride(-1) != 1 or (n > 1 and rows.stride(1) not in (0, D)):
+        rows = rows.contiguous()
+    return rows, rows.stride(0), rows.stride(1) if n > 1 else D
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+class StreamMixFunction(torch.autograd.Function):
+    """``y = sum_k w[..., k] H[..., k, :]`` ``[..., D]``."""
+
+    @staticmethod
+    def forward(ctx, H, w):
+        rows, ts, ks = _streams(H)
+        T, n, D = rows.shape
+        w = w.contiguous()
+        y = torch.empty(H.shape[:-2] + H.shape[-1:], dtype=H.dtype)
+        _kernel("stream_mix_forward", H.dtype)(T, n, D, _ptr(rows), ts, ks, _ptr(w), _ptr(y), _threads())
+        ctx.save_for_backward(H, w)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        H, w = ctx.saved_tensors
+        rows, ts, ks = _streams(H)
+        T, n, D = rows.shape
+        g = g.contiguous()
+        dH = torch.empty(H.shape, dtype=H.dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.empty(w.shape, dtype=w.dtype) if ctx.needs_input_grad[1] else None
+        _kernel("stream_mix_backward", H.dtype)(T, n, D, _ptr(rows), ts, ks, _ptr(w), _ptr(g), _ptr(dH), _ptr(dw),
+                                                _threads())
+        return dH, dw
+
+
+class StreamUpdateFunction(torch.autograd.Function):
+    """``H'[..., j, :] = sum_k A[..., j, k] H[..., k, :] + b[..., j] v`` ``[..., n, D]``."""
+
+    @staticmethod
+    def forward(ctx, H, A, b, v, transposed):
+        rows, ts, ks = _streams(H)
+        T, n, D = rows.shape
+        A = None if A is None else A.contiguous()
+        b, v = b.contiguous(), v.contiguous()
+        out = torch.empty(H.shape[:-2] + (n, D), dtype=H.dtype)
+        _kernel("stream_update_forward", H.dtype)(T, n, D, _ptr(rows), ts, ks, _ptr(A), int(transposed), _ptr(b),
+                                                  _ptr(v), _ptr(out), _threads())
+        ctx.save_for_backward(H, A, b, v)
+        ctx.transposed = transposed
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        H, A, b, v = ctx.saved_tensors
+        rows, ts, ks = _streams(H)
+        T, n, D = rows.shape
+        g = g.contiguous()
+        need = ctx.needs_input_grad
+        dH = torch.empty(H.shape, dtype=H.dtype) if need[0] else None
+        dA = torch.empty(A.shape, dtype=A.dtype) if need[1] and A is not None else None
+        db = torch.empty(b.shape, dtype=b.dtype) if need[2] else None
+        dv = torch.empty(v.shape, dtype=v.dtype) if need[3] else None
+        _kernel("stream_update_backward", H.dtype)(T, n, D, _ptr(rows), ts, ks, _ptr(A), int(ctx.transposed),
+                                                   _ptr(b), _ptr(v), _ptr(g), _ptr(dH), _ptr(dA), _ptr(db), _ptr(dv),
+                                                   _threads())
+        return dH, dA, db, dv, None
+
+
+class SinkhornFunction(torch.autograd.Function):
+    """``ops.sinkhorn`` of fp32 or fp64 logits ``[..., n, n]``, in their dtype."""
+
+    @staticmethod
+    def forward(ctx, x, iterations):
+        x = x.contiguous()
+        n = x.shape[-1]
+        p = torch.empty_like(x)
+        _kernel("sinkhorn_forward", x.dtype)(x.numel() // (n * n), n, iterations, _ptr(x), _ptr(p), _threads())
+        ctx.save_for_backward(x)
+        ctx.iterations = iterations
+        return p
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        n = x.shape[-1]
+        dx = torch.empty_like(x)
+        _kernel("sinkhorn_backward", x.dtype)(x.numel() // (n * n), n, ctx.iterations, _ptr(x),
+                                              _ptr(g.contiguous()), _ptr(dx), _threads())
+        return dx, None
+
+
+def stream_mix(H: Tensor, w: Tensor) -> Tensor:
+    return StreamMixFunction.apply(H, w)
+
+
+def stream_update(H: Tensor, A: Tensor | None, b: Tensor, v: Tensor, transposed: bool = False) -> Tensor:
+    return StreamUpdateFunction.apply(H, A, b, v, transposed)
+
+
+def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
+    check_iterations(iterations)
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return SinkhornFunction.apply(x, iterations).to(logits.dtype)
