@@ -43,7 +43,8 @@ class ModelConfig:
 
     After the sizes and ``residual`` (the kind) come the residual options, flat fields made from
     the streams' constructors (``streams.MODEL_OPTIONS``): ``heads``, ``query``, ``score``,
-    ``key_norm``, ``backend`` (full/block/delta), ``block_size``, ``num_blocks`` (default 8) or
+    ``key_norm``, ``backend`` (every kind but prenorm: the AttnRes family's routing, HC/mHC/GR's
+    per-token work), ``block_size``, ``num_blocks`` (default 8) or
     ``block_sizes`` (uneven blocks, in sublayers, e.g. ``(4, 4, 6, 2)``),
     ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
     ``gr_rank`` (GR's ``rank``). Each applies only to the kinds that take it: setting one for

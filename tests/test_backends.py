@@ -656,71 +656,69 @@ STREAM_SHAPES = [
 
 
 def stream_inputs(n, dim, lead, dtype, seed=0, expanded=False):
+    """``(leaf, inputs)``: the streams ``H`` ``[..., n, D]`` (with ``expanded``, the embedding
+    broadcast to every stream, as a stream's init makes it; ``leaf`` is what its gradient goes
+    to) and every other operand."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
         return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
 
-    if expanded:  # the embedding broadcast to every stream, as a stream's init makes it
-        e = draw(*lead, dim)
-        H = e.unsqueeze(-2).expand(*lead, n, dim)
-        return e, H, draw(*lead, n), draw(*lead, n, n), draw(*lead, n), draw(*lead, dim)
-    H = draw(*lead, n, dim)
-    return H, H, draw(*lead, n), draw(*lead, n, n), draw(*lead, n), draw(*lead, dim)
+    leaf = draw(*lead, dim) if expanded else draw(*lead, n, dim)
+    H = leaf.unsqueeze(-2).expand(*lead, n, dim) if expanded else leaf
+    return leaf, dict(H=H, w=draw(*lead, n), A=draw(*lead, n, n), b=draw(*lead, n), v=draw(*lead, dim),
+                      z=draw(*lead, n, dim))
 
 
-def stream_cases(ops_):
-    """Each operation with the inputs its gradients go to: ``name -> (fn(H, w, A, b, v), which)``."""
-    return {
-        "mix": (lambda H, w, A, b, v: ops_.stream_mix(H, w), "w"),
-        "update": (lambda H, w, A, b, v: ops_.stream_update(H, A, b, v), "Abv"),
-        "update-transposed": (lambda H, w, A, b, v: ops_.stream_update(H, A, b, v, transposed=True), "Abv"),
-        "update-identity": (lambda H, w, A, b, v: ops_.stream_update(H, None, b, v), "bv"),
-    }
+#: each operation: how it is called on a backend's operations, and the operands besides H its
+#: gradients go to
+STREAM_OPS = {
+    "mix": (lambda o, x: o.stream_mix(x["H"], x["w"]), "w"),
+    "update": (lambda o, x: o.stream_update(x["H"], x["A"], x["b"], x["v"]), "Abv"),
+    "update-transposed": (lambda o, x: o.stream_update(x["H"], x["A"], x["b"], x["v"], transposed=True), "Abv"),
+    "update-identity": (lambda o, x: o.stream_update(x["H"], None, x["b"], x["v"]), "bv"),
+    "gated": (lambda o, x: o.gated_mix(x["H"], x["z"]), "z"),
+}
 
 
-@pytest.mark.parametrize("op", ["mix", "update", "update-transposed", "update-identity"])
+@pytest.mark.parametrize("op", list(STREAM_OPS))
 @pytest.mark.parametrize("expanded", [False, True], ids=["", "expanded"])
 @pytest.mark.parametrize("n,dim,lead", STREAM_SHAPES)
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("backend", OTHERS)
 def test_stream_ops_match_naive(op, expanded, n, dim, lead, dtype, tol, backend):
     use(backend, dtype)
-    leaf, H, w, A, b, v = stream_inputs(n, dim, lead, dtype, expanded=expanded)
-    fn, which = stream_cases(ops.backend(backend))[op]
-    ref_fn, _ = stream_cases(ops.backend("naive"))[op]
-    inputs = [leaf] + [dict(w=w, A=A, b=b, v=v)[name] for name in which]
-    fast, ref = fn(H, w, A, b, v), ref_fn(H, w, A, b, v)
+    leaf, x = stream_inputs(n, dim, lead, dtype, expanded=expanded)
+    call, which = STREAM_OPS[op]
+    inputs = [leaf] + [x[name] for name in which]
+    fast, ref = call(ops.backend(backend), x), call(ops.backend("naive"), x)
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
     cot = torch.randn_like(ref)
     assert_grads_close(grads(fast, inputs, cot), grads(ref, inputs, cot), 10 * tol)
 
 
-@pytest.mark.parametrize("op", ["mix", "update", "update-transposed", "update-identity"])
+@pytest.mark.parametrize("op", list(STREAM_OPS))
 @pytest.mark.parametrize("backend", EVERY)
 def test_stream_ops_gradcheck_fp64(op, backend):
     use(backend, torch.float64)
-    _, H, w, A, b, v = stream_inputs(3, 6, (2, 2), torch.float64, seed=1)
-    fn, which = stream_cases(ops.backend(backend))[op]
-    named = dict(w=w, A=A, b=b, v=v)
-    inputs = [H] + [named[name] for name in which]
-
-    def f(H, *rest):
-        given = dict(named, **dict(zip(which, rest)))
-        return fn(H, given["w"], given["A"], given["b"], given["v"])
-
-    assert torch.autograd.gradcheck(f, inputs)
+    _, x = stream_inputs(3, 6, (2, 2), torch.float64, seed=1)
+    call, which = STREAM_OPS[op]
+    names = ["H", *which]
+    assert torch.autograd.gradcheck(lambda *given: call(ops.backend(backend), dict(x, **dict(zip(names, given)))),
+                                    [x[name] for name in names])
 
 
 @pytest.mark.parametrize("backend", OTHERS)
 def test_stream_ops_leave_frozen_inputs_without_gradient(backend):
     use(backend)
-    _, H, w, A, b, v = stream_inputs(3, 8, (5,), torch.float32)
-    A.requires_grad_(False)
-    v.requires_grad_(False)
-    out = ops.backend(backend).stream_update(H, A, b, v)
-    out.sum().backward()
-    assert A.grad is None and v.grad is None and H.grad is not None and b.grad is not None
+    _, x = stream_inputs(3, 8, (5,), torch.float32)
+    x["A"].requires_grad_(False)
+    x["v"].requires_grad_(False)
+    ops.backend(backend).stream_update(x["H"], x["A"], x["b"], x["v"]).sum().backward()
+    assert x["A"].grad is None and x["v"].grad is None and x["H"].grad is not None and x["b"].grad is not None
+    x["z"].requires_grad_(False)
+    ops.backend(backend).gated_mix(x["H"], x["z"]).sum().backward()
+    assert x["z"].grad is None
 
 
 SINKHORN = [

@@ -12,7 +12,7 @@ from .backends import BackendOps
 from .backends.naive import depth_attention_naive
 from .depth_attention import check_depth_inputs, depth_attention
 from .registry import BACKENDS, NAMES, SCORES, Backend, Request, get, pick
-from .rmsnorm import RMSNorm, rms, rms_norm, rms_norm_project
+from .rmsnorm import RMSNorm, RMSNormFunction, rms, rms_norm, rms_norm_project
 from .routing import DepthRouter, RoutingMemo
 from .sinkhorn import sinkhorn
 
@@ -30,6 +30,7 @@ __all__ = [
     "BackendOps",
     "DepthRouter",
     "RMSNorm",
+    "RMSNormFunction",
     "Request",
     "RoutingMemo",
     "backend",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops import rms_norm
+from ..ops import RMSNormFunction
 from .base import MultiStream, Trace, record_rms
 
 
@@ -62,26 +62,33 @@ class GatedResidualStream(MultiStream):
         return super().no_weight_decay() | {"branch_gains"}
 
     def _normalized(self, R: torch.Tensor, site: int) -> torch.Tensor:
-        return rms_norm(R, eps=self.eps) * (1 + self.branch_gains[site]).to(R.dtype)
+        """``Rhat`` ``[..., n_r, D]``: each branch through RMSNorm with the gain ``1 + w``, as one
+        autograd op that keeps only ``R`` and the inverse RMS (``ops.RMSNormFunction``)."""
+        return RMSNormFunction.apply(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
+
+    def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
+        """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``."""
+        # (vec(Rhat) W_down^T) / n_r: the division on the r numbers rather than on vec(Rhat)
+        hidden = F.silu((rhat.flatten(-2) @ self.gate_down[site].T) / self.streams)  # [..., r]
+        return (hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 
     def gates(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
         """Elementwise gates ``G`` ``[..., n_r, D]`` of ``site`` from ``Rhat`` ``[..., n_r, D]``."""
-        flat = rhat.flatten(-2) / self.streams  # vec(Rhat) / n_r
-        hidden = F.silu(flat @ self.gate_down[site].T)  # [..., r]
-        return torch.sigmoid(hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
+        return torch.sigmoid(self.gate_logits(rhat, site))
 
     def _gated_read(self, R: torch.Tensor, site: int, trace: Trace | None) -> torch.Tensor:
         record_rms(site, R.mean(-2), trace)
         rhat = self._normalized(R, site)
-        return gated_branch_mix(rhat, self.gates(rhat, site))
+        # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
+        return self._ops(R).gated_mix(rhat, self.gate_logits(rhat, site).to(rhat.dtype))
 
     def _read(self, R: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
         return self._gated_read(R, i, trace)
 
     def _write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
         # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
-        flat = self._normalized(R, i).flatten(-2) / self.streams
-        s = 2 * torch.sigmoid(flat @ self.inject[i].T)  # [..., n_r]
+        z = (self._normalized(R, i).flatten(-2) @ self.inject[i].T) / self.streams  # W_inject vec(Rhat) / n_r
+        s = 2 * torch.sigmoid(z)  # [..., n_r]
         return self._ops(R).stream_update(R, None, s.to(R.dtype), v)  # R + s v
 
     def _output(self, R: torch.Tensor, trace: Trace | None) -> torch.Tensor:

@@ -110,6 +110,12 @@ class BackendOps:
         ``[..., D]``, all in ``H``'s dtype. Gradients flow to every tensor."""
         raise NotImplementedError
 
+    def gated_mix(self, R: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """GR's read: ``mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]``, branches
+        ``R`` ``[..., n, D]`` gated elementwise by the logits ``z`` ``[..., n, D]`` (same dtype).
+        Gradients flow to both."""
+        raise NotImplementedError
+
     def sinkhorn(self, logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
         """``ops.sinkhorn``: ``exp(logits)`` ``[..., n, n]`` made (nearly) doubly stochastic by
         ``iterations`` row-then-column normalizations, in the logits' dtype (computed in fp32,

@@ -57,7 +57,7 @@ from .common import (
     stack_scores,
 )
 from .cpu_build import load_library
-from .naive import stream_mix_naive, stream_update_naive
+from .naive import gated_mix_naive, stream_mix_naive, stream_update_naive
 
 __all__ = ["OPS", "CpuDepthAttentionFunction", "CpuMergeFunction", "CpuOps"]
 
@@ -852,6 +852,11 @@ class CpuOps(KeyStatisticsOps):
         if torch.compiler.is_compiling():
             return stream_update_naive(H, A, b, v, transposed)
         return cpu_streams.stream_update(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        if torch.compiler.is_compiling():
+            return gated_mix_naive(R, z)
+        return cpu_streams.gated_mix(R, z)
 
     def sinkhorn(self, logits, iterations=20):
         if torch.compiler.is_compiling():

@@ -1,5 +1,6 @@
 """The multi-stream designs' per-token work on the CPU kernels (``csrc/multi_stream_cpu.cpp``):
-the mix of a read, the update of a write and Sinkhorn-Knopp, each forward and backward one pass
+the mix of a read (weighted, or gated elementwise as GR's), the update of a write and
+Sinkhorn-Knopp, each forward and backward one pass
 over the tokens (or the matrices).
 
 Each is an autograd function keeping only its inputs: the mix and the update form their
@@ -30,6 +31,8 @@ _SIGNATURES = {
     "stream_mix_backward": [_I64] * 3 + [_PTR, _I64, _I64] + [_PTR] * 4 + [_I32],
     "stream_update_forward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 3 + [_I32],
     "stream_update_backward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 7 + [_I32],
+    "gated_mix_forward": [_I64] * 3 + [_PTR] * 3 + [_I32],
+    "gated_mix_backward": [_I64] * 3 + [_PTR] * 5 + [_I32],
     "sinkhorn_forward": [_I64] * 3 + [_PTR, _PTR, _I32],
     "sinkhorn_backward": [_I64] * 3 + [_PTR] * 3 + [_I32],
 }
@@ -123,6 +126,31 @@ class StreamUpdateFunction(torch.autograd.Function):
         return dH, dA, db, dv, None
 
 
+class GatedMixFunction(torch.autograd.Function):
+    """``y = mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]`` (GR's read); the gates
+    ``sigmoid(z)`` are never written, forward or backward."""
+
+    @staticmethod
+    def forward(ctx, R, z):
+        n, D = R.shape[-2:]
+        R, z = R.contiguous(), z.contiguous()
+        y = torch.empty(R.shape[:-2] + (D,), dtype=R.dtype)
+        _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(y), _threads())
+        ctx.save_for_backward(R, z)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        R, z = ctx.saved_tensors
+        n, D = R.shape[-2:]
+        dR = torch.empty_like(R) if ctx.needs_input_grad[0] else None
+        dz = torch.empty_like(z) if ctx.needs_input_grad[1] else None
+        _kernel("gated_mix_backward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(g.contiguous()),
+                                               _ptr(dR), _ptr(dz), _threads())
+        return dR, dz
+
+
 class SinkhornFunction(torch.autograd.Function):
     """``ops.sinkhorn`` of fp32 or fp64 logits ``[..., n, n]``, in their dtype."""
 
@@ -153,6 +181,10 @@ def stream_mix(H: Tensor, w: Tensor) -> Tensor:
 
 def stream_update(H: Tensor, A: Tensor | None, b: Tensor, v: Tensor, transposed: bool = False) -> Tensor:
     return StreamUpdateFunction.apply(H, A, b, v, transposed)
+
+
+def gated_mix(R: Tensor, z: Tensor) -> Tensor:
+    return GatedMixFunction.apply(R, z)
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:

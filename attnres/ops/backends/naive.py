@@ -83,6 +83,11 @@ def stream_update_naive(H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor
     return mixed + b.unsqueeze(-1) * v.unsqueeze(-2)
 
 
+def gated_mix_naive(R: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``mean_k(sigmoid(z_k) * R_k)``: ``[..., n, D] x [..., n, D] -> [..., D]``."""
+    return (torch.sigmoid(z) * R).mean(-2)
+
+
 def _normed(x: torch.Tensor, norm) -> torch.Tensor:
     return x if norm is None else rms_norm(x, norm.weight, norm.eps)
 
@@ -179,6 +184,9 @@ class NaiveOps(BackendOps):
 
     def stream_update(self, H, A, b, v, *, transposed=False):
         return stream_update_naive(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        return gated_mix_naive(R, z)
 
     def sinkhorn(self, logits, iterations=20):
         return sinkhorn(logits, iterations)

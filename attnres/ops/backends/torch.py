@@ -57,7 +57,7 @@ from .common import (
     split_query_grad,
     stack_scores,
 )
-from .naive import stream_mix_naive, stream_update_naive
+from .naive import gated_mix_naive, stream_mix_naive, stream_update_naive
 
 __all__ = ["OPS", "DepthAttentionFunction", "MergeFunction", "TorchOps"]
 
@@ -402,6 +402,9 @@ class TorchOps(KeyStatisticsOps):
 
     def stream_update(self, H, A, b, v, *, transposed=False):
         return stream_update_naive(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        return gated_mix_naive(R, z)
 
     def sinkhorn(self, logits, iterations=20):
         return sinkhorn(logits, iterations)

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..rmsnorm import RMSNormFunction
 from ..sinkhorn import sinkhorn
 from . import BackendOps, triton_streams
-from .naive import stream_mix_naive, stream_update_naive
+from .naive import gated_mix_naive, stream_mix_naive, stream_update_naive
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -334,6 +334,11 @@ class TritonOps(BackendOps):
         if torch.compiler.is_compiling():
             return stream_update_naive(H, A, b, v, transposed)
         return triton_streams.stream_update(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        if torch.compiler.is_compiling():
+            return gated_mix_naive(R, z)
+        return triton_streams.gated_mix(R, z)
 
     def sinkhorn(self, logits, iterations=20):
         if torch.compiler.is_compiling():

@@ -1,5 +1,5 @@
 """The multi-stream designs' per-token work as Triton kernels (the ``triton`` backend's
-``stream_mix``, ``stream_update`` and ``sinkhorn``), forward and backward.
+``stream_mix``, ``stream_update``, ``gated_mix`` and ``sinkhorn``), forward and backward.
 
 A program takes ``BLOCK_T`` tokens and all their streams: each of a token's ``n`` rows of
 ``D`` numbers is read once per kernel, and every sum over ``D`` (a weight's or a coefficient's
@@ -121,6 +121,37 @@ def _update_bwd(H, A, b, v, g, dH, dA, db, dv, T, D, N: tl.constexpr, BT: tl.con
             else:
                 acc = tl.load(g + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(dH + (t[:, None] * N + k) * D + d[None, :], acc.to(dH.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_fwd(R, z, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BT, BD], tl.float32)
+    for k in tl.static_range(N):
+        offs = (t[:, None] * N + k) * D + d[None, :]
+        r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        zk = tl.load(z + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sigmoid(zk) * r
+    tl.store(y + t[:, None] * D + d[None, :], (acc / N).to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd(R, z, g, dR, dz, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+               NEED_R: tl.constexpr, NEED_Z: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    gn = tl.load(g + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32) / N
+    for k in tl.static_range(N):
+        offs = (t[:, None] * N + k) * D + d[None, :]
+        s = tl.sigmoid(tl.load(z + offs, mask=mask, other=0.0).to(tl.float32))
+        if NEED_R:
+            tl.store(dR + offs, (s * gn).to(dR.dtype.element_ty), mask=mask)
+        if NEED_Z:
+            r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dz + offs, (gn * r * ((1.0 - s) * s)).to(dz.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -265,6 +296,31 @@ class TritonStreamUpdate(torch.autograd.Function):
                 db.view(b_shape) if need_b else None, dv.view(v_shape) if need_v else None, None)
 
 
+class TritonGatedMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, R, z):
+        rows = _rows(R)
+        T, n, D = rows.shape
+        gates = z.reshape(T, n, D).contiguous()
+        y = torch.empty(T, D, dtype=R.dtype, device=R.device)
+        _gated_fwd[_grid(T, BLOCK_T)](rows, gates, y, T, D, N=n, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+        ctx.save_for_backward(rows, gates)
+        ctx.shapes = R.shape, z.shape
+        return y.view(*R.shape[:-2], D)
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, gates = ctx.saved_tensors
+        T, n, D = rows.shape
+        need_r, need_z = ctx.needs_input_grad
+        dR = torch.empty_like(rows) if need_r else None
+        dz = torch.empty_like(gates) if need_z else None
+        _gated_bwd[_grid(T, BLOCK_T)](rows, gates, g.reshape(T, D).contiguous(), dR, dz, T, D, N=n, BT=BLOCK_T,
+                                      BD=triton.next_power_of_2(D), NEED_R=need_r, NEED_Z=need_z)
+        r_shape, z_shape = ctx.shapes
+        return (dR.view(r_shape) if need_r else None), (dz.view(z_shape) if need_z else None)
+
+
 class TritonSinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, iterations):
@@ -298,6 +354,10 @@ def stream_update(H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor, v: t
                   transposed: bool = False) -> torch.Tensor:
     A = None if A is None else A.to(H.dtype)
     return TritonStreamUpdate.apply(H, A, b.to(H.dtype), v.to(H.dtype), transposed)
+
+
+def gated_mix(R: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return TritonGatedMix.apply(R, z.to(R.dtype))
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:

@@ -11,12 +11,13 @@
 // Notation (per token t; streams k, j; d in [0, D)):
 //   mix:      y[d] = sum_k w[k] H[k, d]
 //   update:   out[j, d] = sum_k A[j, k] H[k, d] + b[j] v[d]     (A given transposed, or the identity)
+//   gated:    y[d] = (1/n) sum_k sigmoid(z[k, d]) R[k, d]          (GR's read: elementwise gates)
 //   sinkhorn: p = exp(x - max x); then `iterations` times: rows, then columns, scaled to sum 1
 //             (each sum clamped below at the smallest normal number, multiplied by its reciprocal)
 //
 // Layouts: H rows of D contiguous numbers, token stride `ts` and stream stride `ks` (0 for the
 // embedding broadcast to every stream); every other array contiguous: w, b [T, n]; A [T, n, n];
-// v, y [T, D]; out, dH [T, n, D]; logits and p [B, n, n]. Null outputs are not computed.
+// v, y [T, D]; out, dH, and GR's R and z [T, n, D]; logits and p [B, n, n]. Null outputs are not computed.
 
 #include <omp.h>
 
@@ -152,6 +153,44 @@ void update_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, in
   }
 }
 
+template <typename F>
+inline F sigmoid(F x) {
+  return F(1) / (F(1) + std::exp(-x));
+}
+
+template <typename F>
+void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    F* out = y + t * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const F* r = R + (t * n + k) * D;
+      const F* zk = z + (t * n + k) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += sigmoid(zk[d]) * r[d];
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
+  }
+}
+
+// dR = sigmoid(z) g / n;  dz = (g / n) R sigmoid(z) (1 - sigmoid(z))
+template <typename F>
+void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, F* dR, F* dz,
+                    int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const F* gt = g + t * D;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t row = (t * n + k) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const F gn = gt[d] / F(n), s = sigmoid(z[row + d]);
+        if (dR) dR[row + d] = s * gn;
+        if (dz) dz[row + d] = gn * R[row + d] * ((F(1) - s) * s);
+      }
+    }
+  }
+}
+
 // One half step in place: rows (col = 0) or columns (col = 1) of p [n, n] scaled to sum 1.
 // Writes each line's reciprocal to inv[n] and whether its sum was above the clamp to live[n].
 template <typename F>
@@ -271,6 +310,14 @@ extern "C" {
                                                int64_t ks, const F* A, int trans, const F* b, const F* v,        \
                                                const F* g, F* dH, F* dA, F* db, F* dv, int threads) {            \
     update_backward<F>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                          \
+  }                                                                                                              \
+  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y,       \
+                                          int threads) {                                                         \
+    gated_forward<F>(T, n, D, R, z, y, threads);                                                                 \
+  }                                                                                                              \
+  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, \
+                                           F* dR, F* dz, int threads) {                                          \
+    gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);                                                        \
   }                                                                                                              \
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
