@@ -727,6 +727,7 @@ SINKHORN = [
     pytest.param(3, 7, (17,), id="n3-7it"),
     pytest.param(4, 20, (2, 9), id="n4-20it"),
     pytest.param(5, 3, (6,), id="n5-3it"),
+    pytest.param(8, 4, (3,), id="n8-4it"),
 ]
 
 

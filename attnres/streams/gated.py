@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops import RMSNormFunction
+from ..ops import RMSNormFunction, rms_norm_project
 from .base import MultiStream, Trace, record_rms
 
 
@@ -86,8 +86,13 @@ class GatedResidualStream(MultiStream):
         return self._gated_read(R, i, trace)
 
     def _write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
-        # Rhat is recomputed rather than carried from read so that the state stays a plain tensor.
-        z = (self._normalized(R, i).flatten(-2) @ self.inject[i].T) / self.streams  # W_inject vec(Rhat) / n_r
+        # W_inject vec(Rhat) without forming Rhat (ops.rms_norm_project, per branch): branch k's
+        # rows of W_inject, scaled by the gain (1 + w_i), as one [D, n_r * n_r] product whose
+        # diagonal blocks (branch k against its own rows) sum to the logits.
+        n = self.streams
+        weight = self.inject[i].unflatten(-1, (n, self.dim)) * (1 + self.branch_gains[i])  # [n_r(j), n_r(k), D]
+        z = rms_norm_project(R, weight.permute(2, 1, 0).flatten(1), self.eps)  # [..., n_r(k), n_r(k') * n_r(j)]
+        z = z.unflatten(-1, (n, n)).diagonal(dim1=-3, dim2=-2).sum(-1) / n  # [..., n_r(j)]
         s = 2 * torch.sigmoid(z)  # [..., n_r]
         return self._ops(R).stream_update(R, None, s.to(R.dtype), v)  # R + s v
 

@@ -158,24 +158,28 @@ inline F sigmoid(F x) {
   return F(1) / (F(1) + std::exp(-x));
 }
 
+// Forward also writes the gates sigmoid(z) to s (when not null), so that backward computes no
+// exponential: dR = s g / n;  dz = (g / n) R s (1 - s)
 template <typename F>
-void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, int threads) {
+void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, F* s, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     F* out = y + t * D;
     for (int64_t d = 0; d < D; ++d) out[d] = 0;
     for (int64_t k = 0; k < n; ++k) {
-      const F* r = R + (t * n + k) * D;
-      const F* zk = z + (t * n + k) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] += sigmoid(zk[d]) * r[d];
+      const int64_t row = (t * n + k) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const F gate = sigmoid(z[row + d]);
+        if (s) s[row + d] = gate;
+        out[d] += gate * R[row + d];
+      }
     }
     for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
   }
 }
 
-// dR = sigmoid(z) g / n;  dz = (g / n) R sigmoid(z) (1 - sigmoid(z))
 template <typename F>
-void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, F* dR, F* dz,
+void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, const F* g, F* dR, F* dz,
                     int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
@@ -183,18 +187,26 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, con
     for (int64_t k = 0; k < n; ++k) {
       const int64_t row = (t * n + k) * D;
       for (int64_t d = 0; d < D; ++d) {
-        const F gn = gt[d] / F(n), s = sigmoid(z[row + d]);
-        if (dR) dR[row + d] = s * gn;
-        if (dz) dz[row + d] = gn * R[row + d] * ((F(1) - s) * s);
+        const F gn = gt[d] / F(n), gate = s[row + d];
+        if (dR) dR[row + d] = gate * gn;
+        if (dz) dz[row + d] = gn * R[row + d] * ((F(1) - gate) * gate);
       }
     }
   }
 }
 
+// The matrices' side n, known at compile time for the common sizes (the loops unroll and
+// vectorize) or read at run time (NN = 0).
+template <int NN>
+inline int64_t side(int64_t n) {
+  return NN ? NN : n;
+}
+
 // One half step in place: rows (col = 0) or columns (col = 1) of p [n, n] scaled to sum 1.
 // Writes each line's reciprocal to inv[n] and whether its sum was above the clamp to live[n].
-template <typename F>
-inline void normalize(F* p, int64_t n, int col, F* inv, unsigned char* live) {
+template <typename F, int NN>
+inline void normalize(F* p, int64_t n_, int col, F* inv, unsigned char* live) {
+  const int64_t n = side<NN>(n_);
   const F tiny = std::numeric_limits<F>::min();
   for (int64_t i = 0; i < n; ++i) {
     F s = 0;
@@ -214,9 +226,9 @@ inline F shifted_exp(const F* x, int64_t nn, F* p) {
   return m;
 }
 
-template <typename F>
-void sinkhorn_forward(int64_t B, int64_t n, int64_t iterations, const F* x, F* p, int threads) {
-  const int64_t nn = n * n;
+template <typename F, int NN>
+void sinkhorn_forward(int64_t B, int64_t n_, int64_t iterations, const F* x, F* p, int threads) {
+  const int64_t n = side<NN>(n_), nn = n * n;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<F> inv(n);
@@ -226,8 +238,8 @@ void sinkhorn_forward(int64_t B, int64_t n, int64_t iterations, const F* x, F* p
       F* pb = p + b * nn;
       shifted_exp(x + b * nn, nn, pb);
       for (int64_t it = 0; it < iterations; ++it) {
-        normalize(pb, n, 0, inv.data(), live.data());
-        normalize(pb, n, 1, inv.data(), live.data());
+        normalize<F, NN>(pb, n, 0, inv.data(), live.data());
+        normalize<F, NN>(pb, n, 1, inv.data(), live.data());
       }
     }
   }
@@ -239,9 +251,9 @@ void sinkhorn_forward(int64_t B, int64_t n, int64_t iterations, const F* x, F* p
 //   q = p * inv (per line),  inv = 1 / max(s, tiny),  s = sum over the line of p
 //   dp = dq * inv + ds,  ds = -inv^2 * sum_line(dq * p)  (0 where s was clamped)
 // and the shift: dx = dp0 * p0, with -sum(dp0 * p0) shared out over the maxima (amax's rule).
-template <typename F>
-void sinkhorn_backward(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
-  const int64_t nn = n * n, steps = 2 * iterations;
+template <typename F, int NN>
+void sinkhorn_backward(int64_t B, int64_t n_, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
+  const int64_t n = side<NN>(n_), nn = n * n, steps = 2 * iterations;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<F> ps((steps + 1) * nn), invs(steps * n), dp(nn);
@@ -253,7 +265,7 @@ void sinkhorn_backward(int64_t B, int64_t n, int64_t iterations, const F* x, con
       for (int64_t s = 0; s < steps; ++s) {
         F* next = ps.data() + (s + 1) * nn;
         for (int64_t e = 0; e < nn; ++e) next[e] = ps[s * nn + e];
-        normalize(next, n, int(s % 2), invs.data() + s * n, lives.data() + s * n);
+        normalize<F, NN>(next, n, int(s % 2), invs.data() + s * n, lives.data() + s * n);
       }
       for (int64_t e = 0; e < nn; ++e) dp[e] = gp[b * nn + e];
       for (int64_t s = steps - 1; s >= 0; --s) {
@@ -289,6 +301,26 @@ void sinkhorn_backward(int64_t B, int64_t n, int64_t iterations, const F* x, con
   }
 }
 
+template <typename F>
+void sinkhorn_forward_any(int64_t B, int64_t n, int64_t iterations, const F* x, F* p, int threads) {
+  switch (n) {
+    case 2: return sinkhorn_forward<F, 2>(B, n, iterations, x, p, threads);
+    case 4: return sinkhorn_forward<F, 4>(B, n, iterations, x, p, threads);
+    case 8: return sinkhorn_forward<F, 8>(B, n, iterations, x, p, threads);
+    default: return sinkhorn_forward<F, 0>(B, n, iterations, x, p, threads);
+  }
+}
+
+template <typename F>
+void sinkhorn_backward_any(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
+  switch (n) {
+    case 2: return sinkhorn_backward<F, 2>(B, n, iterations, x, gp, dx, threads);
+    case 4: return sinkhorn_backward<F, 4>(B, n, iterations, x, gp, dx, threads);
+    case 8: return sinkhorn_backward<F, 8>(B, n, iterations, x, gp, dx, threads);
+    default: return sinkhorn_backward<F, 0>(B, n, iterations, x, gp, dx, threads);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -311,21 +343,21 @@ extern "C" {
                                                const F* g, F* dH, F* dA, F* db, F* dv, int threads) {            \
     update_backward<F>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                          \
   }                                                                                                              \
-  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y,       \
+  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, F* s, \
                                           int threads) {                                                         \
-    gated_forward<F>(T, n, D, R, z, y, threads);                                                                 \
+    gated_forward<F>(T, n, D, R, z, y, s, threads);                                                              \
   }                                                                                                              \
-  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, \
+  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* s, const F* g, \
                                            F* dR, F* dz, int threads) {                                          \
-    gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);                                                        \
+    gated_backward<F>(T, n, D, R, s, g, dR, dz, threads);                                                        \
   }                                                                                                              \
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
-    sinkhorn_forward<F>(B, n, iterations, x, p, threads);                                                        \
+    sinkhorn_forward_any<F>(B, n, iterations, x, p, threads);                                                        \
   }                                                                                                              \
   void attnres_sinkhorn_backward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp,    \
                                           F* dx, int threads) {                                                  \
-    sinkhorn_backward<F>(B, n, iterations, x, gp, dx, threads);                                                  \
+    sinkhorn_backward_any<F>(B, n, iterations, x, gp, dx, threads);                                                  \
   }
 ATTNRES_MULTI_STREAM(f32, float)
 ATTNRES_MULTI_STREAM(f64, double)
