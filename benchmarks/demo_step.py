@@ -5,28 +5,47 @@ dim 96, 8 layers (16 sublayers), 4 heads, vocab 256, batch 16 x 128, fp32; each 
 ``attnres compare`` builds it (``compare.DESIGNS``). A round trains every design for ``--steps``
 steps in one process, one after another as a comparison does (``train()`` on one corpus, no
 evaluation until the end); a design's time is the trainer's ``step_time_s`` (the mean over the
-run's steps, the first included), and its ratio is taken per round against PreNorm's.
+run's steps, the first included), and its ratio is taken per round against PreNorm's; ``later``
+is the time per step from the first logged step (the 10th) to the last.
 
     python benchmarks/demo_step.py
     python benchmarks/demo_step.py --designs prenorm mhc --rounds 5 --steps 30
-    python benchmarks/demo_step.py --set run.compile=true --csv demo_step_compiled
+    python benchmarks/demo_step.py --designs prenorm block full --compiled --steps 160 --csv demo_step_compiled
+
+``--compiled`` adds each design trained with ``run.compile=true`` (rows ``design+compile``, against
+the eager PreNorm of the round): compilation happens in the first steps and counts, as it does in
+a comparison (the on-disk inductor cache is warm after the first round, as on any second run).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import allocator, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import machine, print_table, ratio_summary, write_csv  # noqa: E402
 
 from attnres.train.compare import DESIGNS, design_config  # noqa: E402
 from attnres.train.config import apply_overrides, demo  # noqa: E402
 from attnres.train.data import load_corpus  # noqa: E402
 from attnres.train.trainer import train  # noqa: E402
+
+
+def steady_step_time(metrics: Path) -> float:
+    """Seconds per step between the run's first and last logged training steps (the first steps,
+    and a compilation, left out), from the cumulative tokens per second the trainer logs."""
+    logged = [row for row in map(json.loads, metrics.read_text().splitlines()) if row.get("split") == "train"]
+    first, last = logged[0], logged[-1]
+    if first["step"] == last["step"]:
+        return float("nan")
+    elapsed = last["tokens"] / last["tokens_per_s"] - first["tokens"] / first["tokens_per_s"]
+    return elapsed / (last["step"] - first["step"])
 
 
 def main() -> None:
@@ -37,33 +56,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="a config override applied to every design (as attnres train --set)")
+    ap.add_argument("--compiled", action="store_true", help="also train each design with run.compile=true")
     ap.add_argument("--csv", default="demo_step")
     args = ap.parse_args()
     if "prenorm" not in args.designs:
         args.designs.insert(0, "prenorm")
 
     base = demo()
-    base.run = dataclasses.replace(base.run, steps=args.steps, eval_every=args.steps, log_every=args.steps,
+    base.run = dataclasses.replace(base.run, steps=args.steps, eval_every=args.steps, log_every=min(10, args.steps),
                                    tensorboard=False, progress=False)
     base = apply_overrides(base, args.assignments)
     corpus = load_corpus(base.data, base.model.vocab_size)
-    print(f"{machine()}; {allocator()}; {args.rounds} rounds of {args.steps} steps")
+    print(f"{machine()}; {args.rounds} rounds of {args.steps} steps")
 
-    times: dict[str, list[float]] = {d: [] for d in args.designs}
+    variants = [(d, False) for d in args.designs] + [(d, True) for d in args.designs if args.compiled]
+    labels = [d + ("+compile" if compiled else "") for d, compiled in variants]
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    later: dict[str, list[float]] = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for design in args.designs:
+            for label, (design, compiled) in zip(labels, variants):
                 cfg = dataclasses.replace(base, model=design_config(base.model, design))
-                summary = train(cfg, Path(tmp) / f"{design}-{r}", corpus=corpus).summary
-                times[design].append(summary["step_time_s"])
-                print(f"round {r} {design}: {summary['step_time_s'] * 1e3:.1f} ms per step", flush=True)
+                if compiled:
+                    torch._dynamo.reset()  # a fresh process's compile, not a cached graph of an earlier run
+                    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile=True))
+                summary = train(cfg, Path(tmp) / f"{label}-{r}", corpus=corpus).summary
+                times[label].append(summary["step_time_s"])
+                later[label].append(steady_step_time(Path(tmp) / f"{label}-{r}" / "metrics.jsonl"))
+                print(f"round {r} {label}: {summary['step_time_s'] * 1e3:.1f} ms per step, "
+                      f"{later[label][-1] * 1e3:.1f} ms after the first log", flush=True)
 
-    summary = ratio_summary(times, "prenorm")
+    summary, steady = ratio_summary(times, "prenorm"), ratio_summary(later, "prenorm")
     rows = [dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
                  ratio_min=summary[d]["ratio_min"], ratio_max=summary[d]["ratio_max"],
+                 later_ms=steady[d]["median_s"] * 1e3, later_ratio=steady[d]["ratio"],
                  rounds=args.rounds, steps=args.steps, settings=" ".join(args.assignments))
-            for d in args.designs]
-    print_table(rows, ["design", "median_ms", "ratio", "ratio_min", "ratio_max"])
+            for d in labels]
+    print_table(rows, ["design", "median_ms", "ratio", "ratio_min", "ratio_max", "later_ms", "later_ratio"])
     print(f"wrote {write_csv(args.csv, rows)}")
 
 
