@@ -223,8 +223,10 @@ def _add_compare(sub) -> None:
 
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
     _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5")
-    p.add_argument("--designs", nargs="+", choices=sorted(DESIGNS), metavar="DESIGN",
-                   help=f"from {sorted(DESIGNS)} (default: the preset's, else {' '.join(DEFAULT_DESIGNS)})")
+    p.add_argument("--designs", nargs="+", metavar="DESIGN",
+                   help=f"from {sorted(DESIGNS)}, each optionally with options of its own, name:field=value:..., "
+                        f"e.g. full:norm_eps=1e-12 block:block_size=4 (default: the preset's, else "
+                        f"{' '.join(DEFAULT_DESIGNS)})")
     p.add_argument("--seeds", nargs="+", type=int,
                    help="one run per design per seed; several give paired intervals (default: the preset's, else 0)")
     p.add_argument("--baseline", metavar="DESIGN",

@@ -27,7 +27,17 @@ DESIGNS = {
     "gr": dict(residual="gr", streams=3),
     "full-input-query": dict(residual="full", query="input"),
     "block-sigmoid-nokeynorm": dict(residual="block", num_blocks=2, score="sigmoid", key_norm=False),
+    "full-learned": dict(residual="full", mixing="learned", heads=2),
+    "full-window": dict(residual="full", window=2),
+    "denseformer": dict(residual="denseformer"),
 }
+#: the designs a decode pass runs on a ``Decoder`` (streams/decode.py) where the backend decodes;
+#: the others run it on the stream itself
+DECODED = [d for d, o in DESIGNS.items() if o["residual"] in ("full", "block", "delta")
+           and d not in ("full-input-query", "full-learned", "full-window")]
+#: the designs without a routing backend to choose (``backend`` is not their option, or learned
+#: mixing's plain PyTorch ops)
+NO_BACKEND = ("prenorm", "denseformer", "full-learned")
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -181,6 +181,67 @@ def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []  # refused before any work
 
 
+def test_variants_of_one_design_stand_side_by_side_with_their_paired_interval(tmp_path):
+    """The issue's command on the tiny budget: two labels of one design, each with its own
+    folder, options and row, and the paired interval between them in results.json."""
+    proc = run_compare(tmp_path, "--designs", "full", "full:norm_eps=1e-12", "--seeds", "0", "1", "2",
+                       "--set", "run.steps=1", "--set", "run.eval_every=1")
+    assert proc.returncode == 0, proc.stderr
+    report = Path(proc.stdout.strip().splitlines()[-1])
+    root = report.parent
+    results = json.loads((root / "results.json").read_text())
+    assert results["baseline"] == "full" and set(results["designs"]) == {"full", "full:norm_eps=1e-12"}
+    variant = results["designs"]["full:norm_eps=1e-12"]
+    diffs = [variant["val_loss"][s] - results["designs"]["full"]["val_loss"][s] for s in "012"]
+    assert variant["diff_mean"] == pytest.approx(sum(diffs) / 3, abs=1e-12) and len(variant["ci95"]) == 2
+    for seed in range(3):
+        model = json.loads((root / f"full+norm_eps=1e-12-seed{seed}" / "config.json").read_text())["model"]
+        assert (model["residual"], model["norm_eps"]) == ("full", 1e-12)
+        assert json.loads((root / f"full-seed{seed}" / "config.json").read_text())["model"]["norm_eps"] == 1e-6
+    text = report.read_text()
+    assert "| full:norm_eps=1e-12 | full | norm_eps=1e-12 |" in text
+    assert (root / "depth_weights_full+norm_eps=1e-12.png").read_bytes()[:4] == b"\x89PNG"
+    entries = json.loads((root / "compare.json").read_text())["runs"]
+    assert {(e["design"], e["dir"]) for e in entries if e["seed"] == 0} == {
+        ("full", "full-seed0"), ("full:norm_eps=1e-12", "full+norm_eps=1e-12-seed0")}
+
+
+def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_path):
+    from attnres.train.compare import design_config, design_options, parse_design
+    from attnres.train.config import preset
+
+    base = preset("demo").model
+    assert parse_design("block:block_sizes=4,4,6,2") == ("block", {"block_sizes": (4, 4, 6, 2)})
+    assert parse_design("full:score=sigmoid:key_norm=false") == ("full", {"score": "sigmoid", "key_norm": False})
+    set_ = {"num_blocks": 2, "heads": 2}
+    assert design_options(base, "block:block_size=4", set_) == dict(residual="block", block_size=4, heads=2)
+    assert design_options(base, "mhar:heads=1", set_) == dict(residual="block", num_blocks=2, heads=1)
+    assert design_options(base, "block", set_) == dict(residual="block", num_blocks=2, heads=2)
+    config = design_config(base, "block:block_sizes=4,4,6,2")
+    assert (config.block_sizes, config.num_blocks, config.norm_eps) == ((4, 4, 6, 2), None, base.norm_eps)
+
+
+@pytest.mark.parametrize("design,message", [
+    ("fulll", r"design 'fulll': unknown design 'fulll'; expected one of \['block', .*\], optionally with options"),
+    ("full:norm_eps", r"design 'full:norm_eps': 'norm_eps' is not field=value"),
+    ("full:", r"design 'full:': '' is not field=value"),
+    ("full:norm_eps=x", r"design 'full:norm_eps=x': norm_eps='x': expected a value of type float"),
+    ("prenorm:heads=2", r"design 'prenorm:heads=2': 'heads' is not an option of 'prenorm' \(a prenorm design\); "
+                        r"it takes \['norm_eps'\]"),
+    ("full:dim=64", r"'dim' is not an option of 'full'"),
+    ("full:heads=2:heads=4", r"design 'full:heads=2:heads=4': 'heads' is given twice"),
+    ("block:block_sizes=4,x", r"block_sizes='4,x': expected a comma list of int"),
+    ("full:score=cosine", r"design 'full:score=cosine': score='cosine' is not one of \('softmax', 'sigmoid'\)"),
+    ("block:block_sizes=1,1", r"design 'block:block_sizes=1,1': block_sizes=\(1, 1\) must be positive integers "
+                              r"summing to 4"),
+    ("full/x", r"design 'full/x': the characters \['/'\] are not accepted"),
+])
+def test_malformed_variants_are_refused_naming_them(tmp_path, design, message):
+    proc = run_compare(tmp_path, "--designs", "prenorm", design)
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []  # refused before any work
+
+
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "nan"], r"temperature=nan must be a finite number >= 0"),
     (["--temperature", "-1"], r"temperature=-1.0 must be a finite number >= 0"),

@@ -13,7 +13,7 @@ from .conftest import DESIGNS, tiny_model
 
 COMPILED = [d for d in DESIGNS if d not in ("full-input-query", "block-sigmoid-nokeynorm")]
 #: the designs that route over depth (ops.routing), and whether they merge (two-phase blocks)
-ROUTED = {"full": False, "block": True, "mhar": True, "mhar-uneven": True, "delta": True}
+ROUTED = {"full": False, "full-window": False, "block": True, "mhar": True, "mhar-uneven": True, "delta": True}
 KERNELS = cpu_build.build_problem() is None
 
 

@@ -54,10 +54,17 @@ def metric_fields(row: dict) -> dict:
     return {"split": str, "step": int, "tokens": int, **({"val_loss": number} if row.get("split") == "val" else {})}
 
 
+def label_path(label: str) -> str:
+    """The filesystem-safe form of a design's label (``name:field=value:...``), for folder and
+    figure names: each colon written as ``+`` (``full:norm_eps=1e-12`` -> ``full+norm_eps=1e-12``)."""
+    return label.replace(":", "+")
+
+
 def run_name(design: str, seed: int, seeds) -> str:
     """The folder of ``design``'s run for ``seed`` in a comparison over ``seeds``: the design's
-    name, with ``-seed<k>`` when there are several seeds."""
-    return design if len(seeds) == 1 else f"{design}-seed{seed}"
+    label (``label_path``), with ``-seed<k>`` when there are several seeds."""
+    name = label_path(design)
+    return name if len(seeds) == 1 else f"{name}-seed{seed}"
 
 
 def _list_problem(index: dict, key: str, kind: type) -> str | None:
@@ -510,7 +517,7 @@ def _depth_weights_section(c: Comparison, plt) -> list[str]:
              "AttnRes the columns are the completed blocks in order, and the last filled cell of a row in "
              "the middle of a block is the partial sum of that block.", ""]
     for name, analysis in heat:
-        fname = f"depth_weights_{name}.png"
+        fname = f"depth_weights_{label_path(name)}.png"
         _fig_depth_weights(plt, name, analysis, c.root / fname)
         lines += [f"![{name} depth weights]({fname})", ""]
     return lines

@@ -5,12 +5,15 @@
 - ``DepthRouter`` / ``RoutingMemo``: how a stream routes (``ops.routing``).
 - ``BACKENDS``, ``backend``, ``pick``: the registry of backends (``ops.registry``), each one's
   operations a ``BackendOps``.
+- ``weighted_depth_sum``, ``static_depth_weights``: reads whose depth weights do not depend on
+  the data (DenseFormer, Full's learned mixing; ``ops.depth_mix``).
 - ``RMSNorm``, ``rms_norm``, ``rms_norm_project``, ``rms``, ``sinkhorn``: the other math of the streams.
 """
 
 from .backends import BackendOps
 from .backends.naive import depth_attention_naive
 from .depth_attention import check_depth_inputs, depth_attention
+from .depth_mix import static_depth_weights, weighted_depth_sum
 from .registry import BACKENDS, NAMES, SCORES, Backend, Request, get, pick
 from .rmsnorm import RMSNorm, RMSNormFunction, rms, rms_norm, rms_norm_project
 from .routing import DepthRouter, RoutingMemo
@@ -42,4 +45,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_project",
     "sinkhorn",
+    "static_depth_weights",
+    "weighted_depth_sum",
 ]

@@ -160,14 +160,16 @@ class DepthRouter:
             norm=norm, **self.options)
 
     def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
-              gain: torch.Tensor | None, norm=None) -> torch.Tensor:
+              gain: torch.Tensor | None, norm=None, among: Sequence[int] | None = None) -> torch.Tensor:
         """One read on its own: ``sum_j alpha_j v_j`` over ``sources`` (the completed ones first,
         in the order they were added, then any not added, such as a partial sum) with ``query``
         ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` (the read's pre-norm,
-        fused where the backend can) when given."""
-        prepared = memo.prepared + (None,) * (len(sources) - len(memo.prepared))
+        fused where the backend can) when given. ``among``: for a read of some of the completed
+        sources (Full's window), the index each of ``sources`` was added at."""
+        among = range(len(sources)) if among is None else among
+        prepared = tuple(memo.prepared[j] if j < len(memo.prepared) else None for j in among)
         outs, _ = memo.backend.attend(
-            query[None], _read_sources(memo, sources), None if gain is None else gain[None], norm=norm,
+            query[None], _read_sources(memo, sources, among), None if gain is None else gain[None], norm=norm,
             prepared=prepared, **self.options)
         return outs[0]
 
@@ -182,12 +184,15 @@ class DepthRouter:
                 f"backend={self.backend}, defer_source_grads={self.defer_source_grads})")
 
 
-def _read_sources(memo: RoutingMemo, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _read_sources(memo: RoutingMemo, sources: Sequence[torch.Tensor],
+                  among: Sequence[int] | None = None) -> list[torch.Tensor]:
     """``sources`` as a read takes them: each completed source a ledger tracks replaced by the
-    tensor ``track`` returned for it. The state keeps the sources themselves, so that a hook or
-    ``autograd.grad`` on one sees its whole gradient, the ledger's terms included."""
+    tensor ``track`` returned for it (``among``: the index each was added at, by default its
+    position). The state keeps the sources themselves, so that a hook or ``autograd.grad`` on one
+    sees its whole gradient, the ledger's terms included."""
     sources = list(sources)
-    for j, (source, read_as) in enumerate(memo.tracked[:len(sources)]):
-        if sources[j] is source:
-            sources[j] = read_as
+    among = range(len(sources)) if among is None else among
+    for position, j in enumerate(among):
+        if j < len(memo.tracked) and sources[position] is memo.tracked[j][0]:
+            sources[position] = memo.tracked[j][1]
     return sources

@@ -4,17 +4,19 @@
 the keyword-only parameters of its constructor (``Stream.options()``), all with defaults; the
 table summarizes them.
 
-=========  ===============================  ===========================================================
-kind       design                           options
-=========  ===============================  ===========================================================
-prenorm    PreNorm residual (baseline)      eps
-full       Full AttnRes (MHAR with heads)   heads, query, score, key_norm, backend
-block      Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8) | block_sizes, two_phase
-delta      Delta AttnRes (conversion)       same as block, own_norms (for wrapping a model)
-hc         Hyper-Connections (dynamic)      streams (default 4)
-mhc        manifold-constrained HC          streams (default 4), sinkhorn_iterations
-gr         Gated Residual                   streams (default 4), rank (default dim // 8)
-=========  ===============================  ===========================================================
+===========  ===============================  =========================================================
+kind         design                           options
+===========  ===============================  =========================================================
+prenorm      PreNorm residual (baseline)      eps
+full         Full AttnRes (MHAR with heads)   heads, query, score, key_norm, backend, mixing, window
+block        Block AttnRes (MHAR with heads)  + block_size | num_blocks (default 8) | block_sizes,
+                                              two_phase
+delta        Delta AttnRes (conversion)       same as block, own_norms (for wrapping a model)
+hc           Hyper-Connections (dynamic)      streams (default 4)
+mhc          manifold-constrained HC          streams (default 4), sinkhorn_iterations
+gr           Gated Residual                   streams (default 4), rank (default dim // 8)
+denseformer  DenseFormer (depth-weighted sum) eps
+===========  ===============================  =========================================================
 
 ``stream.decoder(e)`` gives what runs a decode pass (asked for explicitly, with autograd off): a
 ``Decoder`` of ``decode.py`` for full, block and delta on a backend that decodes, otherwise the
@@ -27,6 +29,7 @@ from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAtt
 from .base import Option, Stream, Trace, resolve_block_size, resolve_block_sizes
 from .decode import Decoder
 from .delta import DeltaAttnResStream, DeltaState
+from .denseformer import DenseFormerStream, DenseState
 from .gated import GatedResidualStream, gated_branch_mix
 from .hc import HyperConnectionStream
 from .mhc import ManifoldHyperConnectionStream
@@ -42,6 +45,7 @@ STREAMS: dict[str, type[Stream]] = {
         HyperConnectionStream,
         ManifoldHyperConnectionStream,
         GatedResidualStream,
+        DenseFormerStream,
     )
 }
 KINDS = tuple(STREAMS)
@@ -89,6 +93,8 @@ __all__ = [
     "Decoder",
     "DeltaAttnResStream",
     "DeltaState",
+    "DenseFormerStream",
+    "DenseState",
     "DepthRoutingStream",
     "FullAttnResStream",
     "GatedResidualStream",

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import DepthRouter, RoutingMemo
+from ..ops import DepthRouter, RoutingMemo, static_depth_weights, weighted_depth_sum
 from .base import Stream, Trace, resolve_block_sizes
 from .decode import BlockDecoder, FullDecoder
 
@@ -144,33 +144,113 @@ class FullState(NamedTuple):
     memo: RoutingMemo
 
 
+MIXINGS = ("attention", "learned")
+
+
 class FullAttnResStream(DepthRoutingStream):
-    """Full AttnRes: the state holds every source ``(e, v_0, ..., v_{i-1})``."""
+    """Full AttnRes: the state holds every source ``(e, v_0, ..., v_{i-1})``.
+
+    Two ablations of the read (METHOD.md section 9), for which a read runs on its own (no
+    decoder):
+
+    - ``mixing="learned"``: input-independent weights, ``alpha_{i,j} = softmax_j(l_{i,j})`` with
+      learned logits ``mixing_logits[i, j, h]`` ``[M + 1, M + 1, H]`` (row ``i``: site ``i``;
+      column ``j``: source ``j``, ``e`` first; the entries past a site's sources are never read),
+      initialized to 0 (uniform weights, so that the first forward is Full's at its init); no
+      keys, queries or key gains. It mixes with plain PyTorch ops (``ops.weighted_depth_sum``) on
+      any device, ``backend`` ``"auto"``, ``"torch"`` or ``"naive"``; it cannot combine with
+      ``query="input"``, ``score="sigmoid"`` or ``key_norm=False``, which only attention has.
+    - ``window=W``: site ``i`` reads ``e`` and the last ``W`` outputs ``v_{i-W} .. v_{i-1}``
+      (all of them while ``i <= W``; the output routing, the last ``W`` of all). ``W >= M`` is
+      Full. Every backend serves it (a read over fewer sources), with either mixing.
+    """
 
     kind = "full"
     counts_writes = True
     decoder_class = FullDecoder
 
-    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, **options):
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, mixing: str = "attention",
+                 window: int | None = None, **options):
+        if mixing not in MIXINGS:
+            raise ValueError(f"mixing={mixing!r} is not one of {MIXINGS}")
+        if window is not None and (type(window) is not int or window < 1):
+            raise ValueError(f"window={window!r} must be None (every source) or an integer >= 1")
+        if mixing == "learned":
+            _check_learned_mixing(options)
         super().__init__(dim, num_sublayers, eps, **options)
+        self.mixing, self.window = mixing, window
         self._make_norms()
+        if mixing == "learned":  # no attention: its parameters would take no gradient
+            sites = num_sublayers + 1
+            self.pseudo_queries = self.key_gains = None
+            self.mixing_logits = nn.Parameter(torch.zeros(sites, sites, self.heads))
+        else:
+            self.mixing_logits = None
+
+    def reset_parameters(self) -> None:
+        if self.mixing_logits is None:
+            super().reset_parameters()
+            return
+        Stream.reset_parameters(self)
+        nn.init.zeros_(self.mixing_logits)
+
+    def no_weight_decay(self) -> set[str]:
+        if self.mixing_logits is None:
+            return super().no_weight_decay()
+        return Stream.no_weight_decay(self) | {"mixing_logits"}
+
+    def sources_read(self, site: int) -> list[int]:
+        """The indices into ``(e, v_0, ..., v_{M-1})`` that site ``site`` (``M``: the output)
+        reads: all ``site + 1``, or with a window ``e`` and the last ``W`` outputs."""
+        if self.window is None or site <= self.window:
+            return list(range(site + 1))
+        return [0, *range(site + 1 - self.window, site + 1)]
 
     def _init(self, e: torch.Tensor) -> FullState:
+        if self.mixing_logits is not None:
+            return FullState((e,), None)
         e, memo = self._add_source(self.router.start(e), e, 0)
         return FullState((e,), memo)
 
     def _read(self, state: FullState, i: int, trace: Trace | None) -> torch.Tensor:
+        among = self.sources_read(i)
+        sources = [state.sources[j] for j in among]
+        if self.mixing_logits is not None:
+            weights = static_depth_weights(self.mixing_logits[i, among])  # [n, H]
+            if trace is not None:  # the same weights for every token
+                tokens = sources[0].shape[:-1]
+                per_token = weights.view(len(among), *(1,) * len(tokens), self.heads).expand(-1, *tokens, -1)
+                self._record_weights(trace, i, per_token, among)
+            return self._finish_read(i, weighted_depth_sum(weights, sources), trace)
         if trace is not None:
-            return self._read_traced(i, state.sources, trace)
+            mixed = self._route_traced(i, sources, trace)
+            self._record_weights(trace, i, trace.depth_weights[i], among)
+            return self._finish_read(i, mixed, trace)
         # the norm fused: backward recomputes the mix instead of keeping it
-        return self._route_sources(i, state.sources, state.memo, self._site_norm(i))
+        return self.router.route(state.memo, sources, *self._site_query(i, sources), self._site_norm(i), among)
+
+    @staticmethod
+    def _record_weights(trace: Trace, site: int, weights: torch.Tensor, among: list[int]) -> None:
+        """A traced read's weights ``[n, ..., H]`` as ``[site + 1, ..., H]``, one row per source
+        of Full (zero for a source outside the window), so that columns mean the same sources at
+        every site."""
+        full = weights.new_zeros(site + 1, *weights.shape[1:])
+        full[among] = weights.detach()
+        trace.depth_weights[site] = full
 
     def _write(self, state: FullState, i: int, v: torch.Tensor) -> FullState:
+        if self.mixing_logits is not None:
+            return FullState(state.sources + (v,), None)
         v, memo = self._add_source(state.memo, v, i + 1)
         return FullState(state.sources + (v,), memo)
 
     def _output(self, state: FullState, trace: Trace | None) -> torch.Tensor:
         return self._read(state, self.num_sublayers, trace)
+
+    def _decoder(self, like: torch.Tensor):
+        if self.mixing_logits is not None or self.window is not None:
+            return None  # the decoder reads every source by attention
+        return super()._decoder(like)
 
     def _hidden(self, state: FullState) -> tuple[torch.Size, torch.device]:
         first = state.sources[0]
@@ -190,6 +270,24 @@ class FullAttnResStream(DepthRoutingStream):
         for j, v in enumerate(completed[1:]):
             state = self._write(state, j, v)
         return state
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mixing={self.mixing}, window={self.window}"
+
+
+def _check_learned_mixing(options: dict) -> None:
+    """``mixing="learned"`` has no attention: refuse the options only attention has, naming them,
+    and a routing backend it would not use."""
+    clash = [f"{name}={options[name]!r}" for name, default in (("query", "static"), ("score", "softmax"),
+                                                               ("key_norm", True))
+             if name in options and options[name] != default]
+    if clash:
+        raise ValueError(f"mixing='learned' has input-independent weights and no keys; it cannot combine with "
+                         f"{', '.join(clash)} (options of mixing='attention')")
+    backend = options.get("backend", "auto")
+    if backend not in ("auto", "torch", "naive"):
+        raise ValueError(f"mixing='learned' mixes with plain PyTorch ops, on no routing backend: backend={backend!r} "
+                         f"cannot serve it; give 'auto', 'torch' or 'naive'")
 
 
 class BlockState(NamedTuple):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.capture import capture_analysis
-from ..analysis.report import (check_report_dependencies, choose_baseline, load_index, run_name,
+from ..analysis.report import (check_report_dependencies, choose_baseline, label_path, load_index, run_name,
                                write_report)
 from ..files import read_json
 from ..model import ModelConfig, Transformer
@@ -40,6 +40,7 @@ DESIGNS: dict[str, dict] = {
     "gr": dict(residual="gr"),
     "hc": dict(residual="hc"),
     "delta": dict(residual="delta", num_blocks=8, heads="n_kv_heads"),
+    "denseformer": dict(residual="denseformer"),
 }
 DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 #: what every design of a comparison shares: the model's fields but the residual kind and options
@@ -53,38 +54,92 @@ def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str],
     return list(designs or chosen.get("designs", DEFAULT_DESIGNS)), list(seeds or chosen.get("seeds", (0,)))
 
 
+#: the options that size a Block design's blocks, one way or another
+BLOCK_SIZING = ("num_blocks", "block_size", "block_sizes")
+#: what a variant may set besides its design's residual options (the sizes stay shared)
+VARIANT_FIELDS = ("norm_eps",)
+#: the characters a design's label may hold (folder names derive from it: ``label_path``)
+LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:=+-")
+
+
+def parse_design(label: str) -> tuple[str, dict]:
+    """``(design, options)`` of a design's label: a name of ``DESIGNS``, then options separated
+    by colons, ``name:field=value:field=value``, each a residual option the design's kind takes
+    (as ``--set model.<field>`` names it) or ``norm_eps``, its value parsed by the field's type::
+
+        full                          ->  ("full", {})
+        full:norm_eps=1e-12           ->  ("full", {"norm_eps": 1e-12})
+        block:block_sizes=4,4,6,2     ->  ("block", {"block_sizes": (4, 4, 6, 2)})
+
+    ``ValueError`` names the label and what is accepted for anything else."""
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"design {label!r}: expected a design name, e.g. 'full' or 'full:norm_eps=1e-12'")
+    odd = sorted(set(label) - LABEL_CHARACTERS)
+    if odd:
+        raise ValueError(f"design {label!r}: the characters {odd} are not accepted; a label is "
+                         "name:field=value:... in letters, digits and _ . , = + -")
+    name, *parts = label.split(":")
+    if name not in DESIGNS:
+        raise ValueError(f"design {label!r}: unknown design {name!r}; expected one of {sorted(DESIGNS)}, "
+                         "optionally with options: name:field=value:...")
+    kind = DESIGNS[name]["residual"]
+    takes = {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
+    hints = typing.get_type_hints(ModelConfig)
+    options: dict = {}
+    for part in parts:
+        field, eq, value = part.partition("=")
+        if not eq or not field or not value:
+            raise ValueError(f"design {label!r}: {part!r} is not field=value (options are separated by colons: "
+                             "name:field=value:field=value)")
+        if field not in takes and field not in VARIANT_FIELDS:
+            raise ValueError(f"design {label!r}: {field!r} is not an option of {name!r} (a {kind} design); "
+                             f"it takes {sorted(takes) + list(VARIANT_FIELDS)}")
+        if field in options:
+            raise ValueError(f"design {label!r}: {field!r} is given twice")
+        options[field] = parse_value(value, hints[field], field, f"design {label!r}:")
+    return name, options
+
+
+def design_kind(label: str) -> str:
+    """The residual kind of a design's label."""
+    return DESIGNS[parse_design(label)[0]]["residual"]
+
+
 def design_options(base: ModelConfig, label: str, overrides: dict | None = None) -> dict:
-    """Design ``label``'s residual kind and options for ``base``'s sizes, with ``overrides``
-    (residual options the user set) replacing the design's own where its kind takes them."""
-    if label not in DESIGNS:
-        raise ValueError(f"unknown design {label!r}; expected one of {sorted(DESIGNS)}")
-    options = dict(DESIGNS[label])
+    """The residual kind and options of design ``label`` (a name of ``DESIGNS`` with its own
+    options, ``parse_design``) for ``base``'s sizes: the design's defaults, then ``overrides``
+    (residual options the user set for every design) where its kind takes them, then the
+    label's own options, which win; ``norm_eps`` only when the label sets it."""
+    name, own = parse_design(label)
+    options = dict(DESIGNS[name])
     if options.get("heads") == "n_kv_heads":
         options["heads"] = base.n_kv_heads
     if "num_blocks" in options:
         options["num_blocks"] = min(options["num_blocks"], base.num_sublayers)
-    overrides = overrides or {}
     takes = STREAMS[options["residual"]].options()
-    for name, value in overrides.items():
-        if name == "residual" or MODEL_OPTIONS[name].name in takes:
-            options[name] = value
-    if {"block_size", "block_sizes"} & set(options) and "num_blocks" not in overrides:
-        options.pop("num_blocks", None)  # the user's block size(s) replace the design's count
+    shared = {name: value for name, value in (overrides or {}).items()
+              if name == "residual" or MODEL_OPTIONS[name].name in takes}
+    for given in (shared, own):  # the label's own options last: they win
+        sizing = set(BLOCK_SIZING) & set(given)
+        if sizing:  # one way of sizing the blocks replaces another given before
+            for name in set(BLOCK_SIZING) - sizing:
+                options.pop(name, None)
+        options.update(given)
     return options
 
 
 def design_config(base: ModelConfig, label: str, overrides: dict | None = None,
                   options: dict | None = None) -> ModelConfig:
     """``base``'s sizes with design ``label``'s residual options (``options``, when already
-    made by ``design_options``)."""
+    made by ``design_options``); a ``norm_eps`` among them replaces the base's."""
     sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
-    return ModelConfig(**sizes, **(options or design_options(base, label, overrides)))
+    return ModelConfig(**{**sizes, **(options or design_options(base, label, overrides))})
 
 
 def check_overrides(designs, overrides: dict) -> None:
     """Every residual option the user set must apply to at least one chosen design, and
     ``residual`` (the designs choose it) must agree with all of them."""
-    kinds = {label: DESIGNS[label]["residual"] for label in designs}
+    kinds = {label: design_kind(label) for label in designs}
     for name, value in overrides.items():
         if name == "residual":
             other = [label for label, kind in kinds.items() if kind != value]
@@ -97,6 +152,17 @@ def check_overrides(designs, overrides: dict) -> None:
             takers = sorted(k for k, cls in STREAMS.items() if option in cls.options())
             raise ValueError(f"--set model.{name}={value!r} applies to none of the designs {list(designs)}; "
                              f"it is an option of {takers}")
+
+
+def check_labels(designs) -> None:
+    """Each label parses (``parse_design``), and no two share a folder name (``label_path``)."""
+    paths: dict[str, str] = {}
+    for label in designs:
+        parse_design(label)
+        other = paths.setdefault(label_path(label), label)
+        if other != label:
+            raise ValueError(f"designs {other!r} and {label!r} would share the folder {label_path(label)!r}; "
+                             "write one of them differently")
 
 
 def split_residual_overrides(assignments) -> tuple[list[str], dict]:
@@ -141,13 +207,18 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
             raise ValueError(f"{name} {values} must be given, each once")
     if any(type(s) is not int or s < 0 for s in seeds):
         raise ValueError(f"seeds {seeds} must be integers >= 0")
+    check_labels(designs)
     baseline = choose_baseline(designs, baseline)
     check_report_dependencies(len(seeds))
     check_overrides(designs, overrides)
-    options = {label: design_options(base.model, label, overrides) for label in designs}  # fail fast on bad labels
-    configs = {label: design_config(base.model, label, options=options[label]) for label in designs}
-    for label, config in configs.items():
-        dataclasses.replace(base, model=config).validate()
+    options, configs = {}, {}
+    for label in designs:
+        options[label] = design_options(base.model, label, overrides)
+        try:
+            configs[label] = design_config(base.model, label, options=options[label])
+            dataclasses.replace(base, model=configs[label]).validate()
+        except ValueError as err:
+            raise ValueError(f"design {label!r}: {err}") from None
     return Plan(base, designs, seeds, baseline, options, configs)
 
 

@@ -172,9 +172,10 @@ def preset(name: str) -> TrainConfig:
 
 # -- overrides -------------------------------------------------------------------------------
 
-def parse_value(value: str, annotation, key: str):
+def parse_value(value: str, annotation, key: str, where: str = "--set"):
     """Parse ``value`` for a field annotated ``annotation`` (str, int, float, bool, a tuple of
-    one of those written as a comma list, X | None)."""
+    one of those written as a comma list, X | None). ``where`` begins an error's message: what
+    gave ``key=value``."""
     args = typing.get_args(annotation)
     if type(annotation) in (types.UnionType, typing.Union) or typing.get_origin(annotation) is typing.Union:
         if value.lower() in ("none", "null"):
@@ -185,7 +186,7 @@ def parse_value(value: str, annotation, key: str):
         try:
             return tuple(item(v) for v in value.split(","))
         except ValueError:
-            raise ValueError(f"--set {key}={value!r}: expected a comma list of {item.__name__}, "
+            raise ValueError(f"{where} {key}={value!r}: expected a comma list of {item.__name__}, "
                              f"e.g. 4,4,6,2") from None
     try:
         if annotation is bool:
@@ -196,7 +197,7 @@ def parse_value(value: str, annotation, key: str):
             raise ValueError
         return annotation(value)
     except ValueError:
-        raise ValueError(f"--set {key}={value!r}: expected a value of type {annotation.__name__}") from None
+        raise ValueError(f"{where} {key}={value!r}: expected a value of type {annotation.__name__}") from None
 
 
 def parse_assignment(config: TrainConfig, assignment: str) -> tuple[str, str, object]:

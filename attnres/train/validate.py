@@ -41,7 +41,7 @@ V_SHAPED = ("zbv", "dualpipev")
 #: schedules whose steady state runs one micro-batch per stage: at least as many as stages
 NEEDS_A_MICROBATCH_PER_STAGE = ("1f1b", "dualpipev")
 #: the designs whose sources, once completed, never change: what the cross-stage cache can hold
-CACHED_RESIDUALS = ("full", "block", "delta")
+CACHED_RESIDUALS = ("full", "block", "delta", "denseformer")
 
 
 # -- 1. each field ---------------------------------------------------------------------------
