@@ -119,7 +119,7 @@ def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
     assert checked >= 64
 
 
-CACHED = ("block", "mhar", "mhar-uneven", "full", "delta")
+CACHED = ("block", "mhar", "mhar-uneven", "full", "delta", "denseformer")
 
 
 @pytest.mark.parametrize("schedule", MULTI_STAGE)
