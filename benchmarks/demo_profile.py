@@ -7,8 +7,9 @@ AdamW, as in ``train/steps.py`` without the trainer's logging. After ``--warmup`
 ``--steps`` steps run under ``torch.profiler`` (CPU activities): per step, the wall time, the
 number of operator calls (top-level ATen calls, those the Python code makes; the calls inside
 them are not counted again), the time spent inside them, and the rest (Python, autograd's
-engine between nodes, the allocator). ``--top`` lists the operators with the most self time
-beyond PreNorm's.
+engine between nodes, the allocator, and the C++ kernels, which are ctypes calls outside ATen);
+then ``--steps`` more under cProfile for ``kernels_ms``, the time in the C++ kernels
+(``kernel_time``). ``--top`` lists the operators with the most self time beyond PreNorm's.
 
     python benchmarks/demo_profile.py
     python benchmarks/demo_profile.py --designs prenorm mhc --top 15
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -66,7 +70,23 @@ def profile_design(design: str, warmup: int, steps: int):
             self_by_op[e.name] += e.self_cpu_time_total / 1e3 / steps  # ms per step
     inside = sum(e.cpu_time_total for e in events) / 1e3 / steps
     return dict(design=design, step_ms=plain * 1e3, op_calls=len(events) / steps, in_ops_ms=inside,
-                outside_ops_ms=None), self_by_op
+                outside_ops_ms=None, kernels_ms=kernel_time(step, steps)), self_by_op
+
+
+def kernel_time(step, steps: int) -> float:
+    """Milliseconds per step in the C++ kernels, from cProfile: the own time of the Python
+    functions that make the ctypes calls (``cpu._call``, and the functions of ``cpu_streams``),
+    which is the foreign call's time and a few microseconds of their own per call."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, prim, tottime, cumtime, callers)
+    own = sum(tottime for (path, _, name), (_, _, tottime, _, _) in stats.items()
+              if path.endswith(os.path.join("backends", "cpu.py")) and name == "_call"
+              or path.endswith(os.path.join("backends", "cpu_streams.py")))
+    return own * 1e3 / steps
 
 
 def _has_aten_parent(event) -> bool:
@@ -102,8 +122,8 @@ def main() -> None:
     for row in rows:
         row["extra_calls_per_site"] = (row["op_calls"] - base["op_calls"]) / sites
         row["extra_ms_per_site"] = (row["step_ms"] - base["step_ms"]) / sites
-    print_table(rows, ["design", "step_ms", "op_calls", "in_ops_ms", "outside_ops_ms", "extra_calls_per_site",
-                       "extra_ms_per_site"])
+    print_table(rows, ["design", "step_ms", "op_calls", "in_ops_ms", "outside_ops_ms", "kernels_ms",
+                       "extra_calls_per_site", "extra_ms_per_site"])
     for design in args.designs[1:]:
         extra = {op: ms - by_op["prenorm"].get(op, 0.0) for op, ms in by_op[design].items()}
         top = sorted(extra.items(), key=lambda kv: -kv[1])[: args.top]

@@ -95,7 +95,7 @@ def test_a_window_routes_over_the_embedding_and_the_last_outputs(window, backend
 def test_a_window_combines_with_learned_mixing(backend):
     if backend == "cpu":
         with pytest.raises(ValueError, match=r"mixing='learned' mixes with plain PyTorch ops, on no routing backend: "
-                                             r"backend='cpu' cannot serve it; give 'auto', 'torch' or 'naive'"):
+                                             r"backend='cpu' cannot serve it; give one of \['auto', 'torch', 'naive'\]"):
             build_stream("full", dim=D, num_sublayers=M, mixing="learned", backend=backend)
         return
     stream = randomized(build_stream("full", dim=D, num_sublayers=M, mixing="learned", window=2, backend=backend))
@@ -262,7 +262,7 @@ def test_traced_weights_keep_fulls_columns():
      r"\(options of mixing='attention'\)"),
     (dict(mixing="learned", score="sigmoid", key_norm=False),
      r"it cannot combine with score='sigmoid', key_norm=False"),
-    (dict(mixing="learned", backend="triton"), r"backend='triton' cannot serve it; give 'auto', 'torch' or 'naive'"),
+    (dict(mixing="learned", backend="triton"), r"backend='triton' cannot serve it; give one of \['auto', 'torch', 'naive'\]"),
     (dict(mixing="static"), r"mixing='static' is not one of \('attention', 'learned'\)"),
     (dict(window=0), r"window=0 must be None \(every source\) or an integer >= 1"),
     (dict(window="8"), r"window='8' must be None \(every source\) or an integer >= 1"),

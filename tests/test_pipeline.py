@@ -140,14 +140,14 @@ def test_the_cross_stage_cache_gives_the_same_step(results, schedule):
 def sources_at(model, cut: int) -> tuple[int, int]:
     """``(completed sources, other tensors)`` of the state before sublayer ``cut``, counted from
     the design's definition, in ``[tokens, D]`` tensors: PreNorm's running sum; the ``n`` streams
-    of HC/mHC/GR; Full's ``e`` and one source per sublayer; Block's ``e``, one per finished block
+    of HC/mHC/GR; Full's and DenseFormer's ``e`` and one source per sublayer; Block's ``e``, one per finished block
     and the partial mid-block; Delta's the same and its running sum ``h``."""
     kind = model.config.residual
     if kind == "prenorm":
         return 0, 1
     if kind in ("hc", "mhc", "gr"):
         return 0, model.config.streams
-    if kind == "full":
+    if kind in ("full", "denseformer"):
         return cut + 1, 0
     ends = [sum(model.stream.block_sizes[: k + 1]) for k in range(len(model.stream.block_sizes))]
     return 1 + sum(end <= cut for end in ends), int(cut not in ends) + (kind == "delta")
@@ -261,7 +261,7 @@ def test_which_sources_a_rank_holds_follows_the_placement():
     assert not use_cache("auto", "block", 1) and not use_cache("auto", "prenorm", 2) and not use_cache("off", "block", 2)
     with pytest.raises(ValueError, match=r"with 1 stage per rank there are none"):
         use_cache("on", "block", 1)
-    with pytest.raises(ValueError, match=r"run.pp_cache='on' keeps the completed sources of the AttnRes family"):
+    with pytest.raises(ValueError, match=r"run.pp_cache='on' keeps the completed sources of the designs that store them"):
         use_cache("on", "mhc", 2)
 
 
@@ -299,7 +299,7 @@ def test_bad_stage_layouts_are_refused(call, message):
     (["run.pp_size=2", "model.residual=block", "run.pp_cache=on"], "with 1 stage per rank there are none"),
     (["run.pp_size=2", "run.pp_cache=sometimes"], "run.pp_cache='sometimes' must be one of"),
     (["run.pp_size=2", "model.residual=prenorm", "run.pp_cache=on"],
-     "run.pp_cache='on' keeps the completed sources of the AttnRes family ('full', 'block', 'delta'); "
+     "run.pp_cache='on' keeps the completed sources of the designs that store them ('full', 'block', 'delta', 'denseformer'); "
      "model.residual='prenorm'"),
 ])
 def test_bad_pipeline_options_are_refused_before_any_work(sets, message):

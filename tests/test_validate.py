@@ -78,7 +78,7 @@ CASES = [
      "run.pp_cache='on' keeps what a rank saw at its earlier stages; with 1 stage per rank there are none "
      "(the looped and V schedules run several)"),
     ({**PP, "run.pp_schedule": "zbv", "run.pp_cache": "on"}, None, "run.pp_size=2, run.pp_schedule='zbv': "
-     "run.pp_cache='on' keeps the completed sources of the AttnRes family ('full', 'block', 'delta'); "
+     "run.pp_cache='on' keeps the completed sources of the designs that store them ('full', 'block', 'delta', 'denseformer'); "
      "model.residual='prenorm' sends one state that changes at every sublayer"),
     # 4. the residual options, by the stream
     ({"model.residual": "block", "model.heads": 3}, None, "heads=3 must be a positive integer dividing dim=32"),

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops import DepthRouter, RoutingMemo, static_depth_weights, weighted_depth_sum
+from ..ops import BACKENDS, DepthRouter, RoutingMemo, get, static_depth_weights, weighted_depth_sum
 from .base import Stream, Trace, resolve_block_sizes
 from .decode import BlockDecoder, FullDecoder
 
@@ -158,7 +158,7 @@ class FullAttnResStream(DepthRoutingStream):
       column ``j``: source ``j``, ``e`` first; the entries past a site's sources are never read),
       initialized to 0 (uniform weights, so that the first forward is Full's at its init); no
       keys, queries or key gains. It mixes with plain PyTorch ops (``ops.weighted_depth_sum``) on
-      any device, ``backend`` ``"auto"``, ``"torch"`` or ``"naive"``; it cannot combine with
+      any device: ``backend`` ``"auto"`` or one that runs on any device; it cannot combine with
       ``query="input"``, ``score="sigmoid"`` or ``key_norm=False``, which only attention has.
     - ``window=W``: site ``i`` reads ``e`` and the last ``W`` outputs ``v_{i-W} .. v_{i-1}``
       (all of them while ``i <= W``; the output routing, the last ``W`` of all). ``W >= M`` is
@@ -285,9 +285,11 @@ def _check_learned_mixing(options: dict) -> None:
         raise ValueError(f"mixing='learned' has input-independent weights and no keys; it cannot combine with "
                          f"{', '.join(clash)} (options of mixing='attention')")
     backend = options.get("backend", "auto")
-    if backend not in ("auto", "torch", "naive"):
+    plain = ["auto", *(name for name, b in BACKENDS.items() if b.devices is None)]  # PyTorch ops, any device
+    if backend not in plain:
+        get(backend)  # ValueError naming the accepted ones
         raise ValueError(f"mixing='learned' mixes with plain PyTorch ops, on no routing backend: backend={backend!r} "
-                         f"cannot serve it; give 'auto', 'torch' or 'naive'")
+                         f"cannot serve it; give one of {plain}")
 
 
 class BlockState(NamedTuple):

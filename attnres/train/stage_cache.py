@@ -26,8 +26,8 @@ from .validate import CACHED_RESIDUALS, check_cache
 
 
 def use_cache(setting: str, residual: str, stages_per_rank: int) -> bool:
-    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the AttnRes family,
-    ``CACHED_RESIDUALS``, with more than one stage per rank). A setting it cannot serve is
+    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the designs that
+    store completed sources, ``CACHED_RESIDUALS``, with more than one stage per rank). A setting it cannot serve is
     refused (``validate.check_cache``)."""
     check_cache(setting, residual, stages_per_rank)
     if setting == "auto":

@@ -214,7 +214,7 @@ def check_cache(setting: str, residual: str, per_rank: int) -> None:
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"run.pp_cache={setting!r} must be one of ('auto', 'on', 'off')")
     if setting == "on" and residual not in CACHED_RESIDUALS:
-        raise ValueError(f"run.pp_cache='on' keeps the completed sources of the AttnRes family {CACHED_RESIDUALS}; "
+        raise ValueError(f"run.pp_cache='on' keeps the completed sources of the designs that store them {CACHED_RESIDUALS}; "
                          f"model.residual={residual!r} sends one state that changes at every sublayer")
     if setting == "on" and per_rank < 2:
         raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {per_rank} "
