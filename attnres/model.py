@@ -47,8 +47,12 @@ class ModelConfig:
     per-token work), ``block_size``, ``num_blocks`` (default 8) or
     ``block_sizes`` (uneven blocks, in sublayers, e.g. ``(4, 4, 6, 2)``),
     ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
-    ``gr_rank`` (GR's ``rank``). Each applies only to the kinds that take it: setting one for
-    another kind is an error, so nothing is silently ignored.
+    ``gr_rank`` (GR's ``rank``), ``mixing`` and ``window`` (full). Each applies only to the kinds
+    that take it: setting one for another kind is an error, so nothing is silently ignored.
+
+    ``norm_eps`` is the epsilon of every RMSNorm the stream owns, as given
+    (``norm_eps_scale="absolute"``, what a converted model keeps of its source), or relative to
+    the initial scale (``"init"``: ``norm_eps * init_std**2``; ``stream_eps``).
 
     ``moe_experts > 0`` makes every MLP a mixture of that many routed experts (``moe.MoE``):
     ``moe_top_k`` chosen per token, ``moe_shared_experts`` every token passes through, each of
@@ -67,6 +71,7 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    norm_eps_scale: str = "absolute"
     tie_embeddings: bool = False
     init_std: float = 0.02
     moe_experts: int = 0
@@ -98,6 +103,8 @@ class ModelConfig:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads!r} must be a positive integer dividing n_heads={self.n_heads}"
             )
+        if self.norm_eps_scale not in NORM_EPS_SCALES:
+            raise ValueError(f"norm_eps_scale={self.norm_eps_scale!r} is not one of {NORM_EPS_SCALES}")
         self._check_moe()
         if self.residual not in KINDS:
             raise ValueError(f"residual={self.residual!r} is not one of {KINDS}")
@@ -153,12 +160,22 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def stream_eps(self) -> float:
+        """The epsilon of the stream's RMSNorms: ``norm_eps`` itself (``norm_eps_scale="absolute"``),
+        or ``norm_eps * init_std**2`` (``"init"``: in units of the mean square the embedding and the
+        sublayers' weights start at, so that the norms damp the same fraction of an initial read
+        whatever ``init_std`` is)."""
+        return self.norm_eps if self.norm_eps_scale == "absolute" else self.norm_eps * self.init_std**2
+
     def stream_options(self) -> dict:
         """The options of ``build_stream`` this config sets for its residual kind."""
         accepted = STREAMS[self.residual].options()
         return {option.name: getattr(self, name) for name, option in MODEL_OPTIONS.items() if option.name in accepted}
 
 
+#: how ``ModelConfig.norm_eps`` is read (``ModelConfig.stream_eps``)
+NORM_EPS_SCALES = ("absolute", "init")
 #: the mixture-of-experts options of ``ModelConfig``; the first is the number of experts
 MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_hidden", "moe_balance", "moe_aux_weight",
               "moe_bias_rate", "moe_capacity")
@@ -263,7 +280,7 @@ class Transformer(nn.Module):
             config.residual,
             dim=config.dim,
             num_sublayers=config.num_sublayers,
-            eps=config.norm_eps,
+            eps=config.stream_eps,
             **config.stream_options(),
         )
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)

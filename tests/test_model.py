@@ -366,3 +366,17 @@ def test_generate_by_default_fills_what_the_context_has_room_for():
         model.generate(tokens(b=1, t=64))
     with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 60 exceeds max_seq_len=64"):
         model.generate(tokens(b=1, t=10), 60)
+
+
+def test_an_epsilon_relative_to_the_initial_scale_reaches_every_norm_of_the_stream():
+    """``norm_eps_scale="init"``: the stream's norms (the reads', the final one, Full's key
+    norm) take ``norm_eps * init_std**2``; ``"absolute"`` (the default) takes ``norm_eps``."""
+    relative = tiny_config(residual="full", norm_eps=1e-6, init_std=0.02, norm_eps_scale="init")
+    assert relative.stream_eps == pytest.approx(4e-10, rel=1e-12)
+    model = Transformer(relative)
+    eps = {model.stream.eps, model.stream.router.eps, model.stream.final_norm.eps,
+           *(n.eps for n in model.stream.norms)}
+    assert eps == {relative.stream_eps}
+    assert Transformer(tiny_config(residual="full", norm_eps=1e-6)).stream.final_norm.eps == 1e-6
+    with pytest.raises(ValueError, match=r"norm_eps_scale='embedding' is not one of \('absolute', 'init'\)"):
+        tiny_config(norm_eps_scale="embedding")

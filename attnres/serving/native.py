@@ -63,7 +63,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(Layer(config, cache_config, f"{prefix}.layers.{l}")
                                     for l in range(config.n_layers))
         self.stream = build_stream(config.residual, dim=config.dim, num_sublayers=config.num_sublayers,
-                                   eps=config.norm_eps, **config.stream_options())
+                                   eps=config.stream_eps, **config.stream_options())
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight

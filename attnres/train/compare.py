@@ -57,7 +57,7 @@ def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str],
 #: the options that size a Block design's blocks, one way or another
 BLOCK_SIZING = ("num_blocks", "block_size", "block_sizes")
 #: what a variant may set besides its design's residual options (the sizes stay shared)
-VARIANT_FIELDS = ("norm_eps",)
+VARIANT_FIELDS = ("norm_eps", "norm_eps_scale")
 #: the characters a design's label may hold (folder names derive from it: ``label_path``)
 LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:=+-")
 

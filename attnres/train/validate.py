@@ -265,7 +265,7 @@ def check_residual(cfg: TrainConfig) -> None:
     """The residual options, checked by the stream that takes them, built on no memory."""
     m = cfg.model
     with torch.device("meta"):
-        build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.norm_eps, **m.stream_options())
+        build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.stream_eps, **m.stream_options())
 
 
 # -- 5. the placement over the job's processes -----------------------------------------------
