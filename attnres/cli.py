@@ -53,7 +53,7 @@ def _block_layers(text: str):
 
 def _add_config_args(p, default_preset, note=""):
     p.add_argument("--preset", default=default_preset,
-                   help=f"tiny, demo, small or study (default: %(default)s{note})")
+                   help=f"tiny, demo, small, study or ablations (default: %(default)s{note})")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set model.residual=block --set optim.lr=3e-4")
     p.add_argument("--data", help="text file or folder, folder with train.bin/val.bin, or hf:NAME[:CONFIG] "
@@ -222,7 +222,8 @@ def _add_compare(sub) -> None:
     from .train.compare import DEFAULT_DESIGNS, DESIGNS
 
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
-    _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5")
+    _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5; ablations: the AttnRes "
+                                "paper's ablation rows (docs/RESULTS.md) over seeds 0-2, at the study's size")
     p.add_argument("--designs", nargs="+", metavar="DESIGN",
                    help=f"from {sorted(DESIGNS)}, each optionally with options of its own, name:field=value:..., "
                         f"e.g. full:norm_eps=1e-12 block:block_size=4 (default: the preset's, else "

@@ -350,3 +350,17 @@ def test_the_study_preset_names_its_designs_and_seeds():
     assert comparison_choice("study", ["block", "full"], [4]) == (["block", "full"], [4])  # given ones win
     assert comparison_choice("demo") == (list(DEFAULT_DESIGNS), [0])
     preset("study").validate()  # `attnres train --preset study` trains one run of that size
+
+
+def test_the_ablations_preset_is_the_studys_size_with_every_row_as_a_valid_design():
+    from attnres.train.compare import comparison_choice, plan_comparison
+    from attnres.train.config import ABLATIONS, preset, to_dict
+
+    designs, seeds = comparison_choice("ablations")
+    assert (designs, seeds) == (list(ABLATIONS), [0, 1, 2]) and len(designs) == 14
+    assert to_dict(preset("ablations")) == to_dict(preset("study"))
+    plan = plan_comparison(preset("ablations"), designs, seeds, {}, None)  # every label parses and builds
+    config = plan.configs
+    assert (config["block"].num_blocks, config["block:block_size=4"].block_size) == (8, 4)
+    assert (config["full:window=8"].window, config["full:mixing=learned"].mixing) == (8, "learned")
+    assert config["block:heads=16"].heads == 16 and config["denseformer"].residual == "denseformer"

@@ -158,10 +158,29 @@ def study() -> TrainConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "demo": demo, "small": small, "study": study}
+def ablations() -> TrainConfig:
+    """The size of ``attnres compare --preset ablations``: the study's (``study``), so that its
+    PreNorm, Block and Full runs are the study's own, bit for bit. Its designs are
+    ``ABLATIONS``; about 75 minutes on two CPU cores (pilot: docs/RESULTS.md)."""
+    return study()
+
+
+PRESETS = {"tiny": tiny, "demo": demo, "small": small, "study": study, "ablations": ablations}
+#: the rows of the AttnRes paper's ablation table (its Table 4) that run at the study's size, as
+#: designs of a comparison (docs/RESULTS.md maps each to its row): the baseline, Full and its
+#: switches, Block (8 blocks of 2 sublayers) and its switches, the block-size sweep and the
+#: mixing rules without a pseudo-query
+ABLATIONS = (
+    "prenorm", "full", "full:query=input", "full:score=sigmoid", "full:key_norm=false", "full:mixing=learned",
+    "full:window=8", "block", "block:block_size=4", "block:block_size=8", "block:block_size=16", "block:heads=16",
+    "block:key_norm=false", "denseformer",
+)
 #: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
 #: (others: ``compare.DEFAULT_DESIGNS``, seed 0)
-COMPARISON_PRESETS = {"study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)}}
+COMPARISON_PRESETS = {
+    "study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)},
+    "ablations": {"designs": ABLATIONS, "seeds": (0, 1, 2)},
+}
 
 
 def preset(name: str) -> TrainConfig:
