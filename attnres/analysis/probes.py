@@ -27,9 +27,11 @@ def _mean_kl(query, gain, sources, slices, eps) -> float:
 @torch.no_grad()
 def width_disagreement(model: Transformer, tokens: torch.Tensor, slices: int = 4, seed: int = 0) -> dict | None:
     """``{"trained": KL, "random": KL, "probe": trained - random}`` averaged over routing sites,
-    or None when the model is not single-head AttnRes (or ``slices`` does not divide the width)."""
+    or None when the model is not single-head AttnRes with pseudo-queries (or ``slices`` does not
+    divide the width)."""
     stream = model.stream
-    if not isinstance(stream, DepthRoutingStream) or stream.heads != 1 or stream.query != "static":
+    if (not isinstance(stream, DepthRoutingStream) or stream.heads != 1 or stream.query != "static"
+            or stream.pseudo_queries is None):  # learned mixing has no query to slice
         return None
     if model.config.dim % slices:
         return None
