@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attnres.analysis.report import by_design, comparison_results, load_runs
+from attnres.analysis.report import comparison_results, load_comparison
 
 #: the paper's Table 4 (docs/METHOD.md section 9): design here -> (the paper's row, its loss)
 PAPER = {
@@ -47,10 +47,9 @@ def interval(entry: dict | None) -> str:
 
 
 def table(root: Path) -> str:
-    _, runs = load_runs(root)
-    designs = by_design(runs)
+    designs = load_comparison(root).designs  # the seeds every design finished
     against_prenorm = comparison_results(designs, "prenorm")["designs"]
-    against_own = {base: comparison_results(designs, base)["designs"] for base in ("full", "block")}
+    against_own = {base: comparison_results(designs, base)["designs"] for base in ("full", "block") if base in designs}
     lines = ["| paper's row | paper | paper - baseline | design here | ours (mean) | ours - PreNorm, 95% | "
              "ours - its design, 95% |", "|---|---|---|---|---|---|---|"]
     for label, (row, loss) in PAPER.items():

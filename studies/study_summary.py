@@ -45,9 +45,11 @@ def routing_summary(runs: list[dict]) -> tuple[float, float, float]:
                 entropies.append(-sum(w * math.log(w) for w in head if w > 0))
                 uniform.append(math.log(len(head)))
         ckpt = latest_checkpoint(Path(run["path"]) / "checkpoints")
-        queries = load_file(str(ckpt / "model.safetensors"))["stream.pseudo_queries"]
-        query_rms.append(float(queries.square().mean().sqrt()))
-    return statistics.fmean(entropies), statistics.fmean(uniform), statistics.fmean(query_rms)
+        queries = load_file(str(ckpt / "model.safetensors")).get("stream.pseudo_queries")
+        if queries is not None:  # learned mixing and DenseFormer have none
+            query_rms.append(float(queries.square().mean().sqrt()))
+    return (statistics.fmean(entropies), statistics.fmean(uniform),
+            statistics.fmean(query_rms) if query_rms else float("nan"))
 
 
 def summarize(folder: Path) -> dict[str, list[dict]]:

@@ -182,7 +182,7 @@ def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message
 
 
 def test_variants_of_one_design_stand_side_by_side_with_their_paired_interval(tmp_path):
-    """The issue's command on the tiny budget: two labels of one design, each with its own
+    """`attnres compare --preset tiny --designs full full:norm_eps=1e-12 --seeds 0 1 2` on a short budget: two labels of one design, each with its own
     folder, options and row, and the paired interval between them in results.json."""
     proc = run_compare(tmp_path, "--designs", "full", "full:norm_eps=1e-12", "--seeds", "0", "1", "2",
                        "--set", "run.steps=1", "--set", "run.eval_every=1")
