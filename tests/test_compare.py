@@ -242,6 +242,19 @@ def test_malformed_variants_are_refused_naming_them(tmp_path, design, message):
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []  # refused before any work
 
 
+@pytest.mark.parametrize("pair", [
+    ("full:key_norm=false", "full:key_norm=False"),
+    ("full:norm_eps=1e-12", "full:norm_eps=1E-12"),
+    ("full:heads=2:score=sigmoid", "full:score=sigmoid:heads=2"),
+])
+def test_one_variant_written_twice_is_refused(pair):
+    from attnres.train.compare import check_labels
+
+    check_labels([pair[0], "full"])
+    with pytest.raises(ValueError, match=re.escape(f"designs {pair[0]!r} and {pair[1]!r} are the same variant")):
+        check_labels(["prenorm", *pair])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "nan"], r"temperature=nan must be a finite number >= 0"),
     (["--temperature", "-1"], r"temperature=-1.0 must be a finite number >= 0"),

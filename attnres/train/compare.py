@@ -155,11 +155,17 @@ def check_overrides(designs, overrides: dict) -> None:
 
 
 def check_labels(designs) -> None:
-    """Each label parses (``parse_design``), and no two share a folder name (``label_path``)."""
+    """Each label parses (``parse_design``); no two are the same variant written differently
+    (``full:key_norm=false`` and ``full:key_norm=False``), and no two share a folder name
+    (``label_path``) on a filesystem that ignores case."""
     paths: dict[str, str] = {}
+    variants: dict[tuple, str] = {}
     for label in designs:
-        parse_design(label)
-        other = paths.setdefault(label_path(label), label)
+        design, options = parse_design(label)
+        other = variants.setdefault((design, frozenset(options.items())), label)
+        if other != label:
+            raise ValueError(f"designs {other!r} and {label!r} are the same variant; give it once")
+        other = paths.setdefault(label_path(label).lower(), label)
         if other != label:
             raise ValueError(f"designs {other!r} and {label!r} would share the folder {label_path(label)!r}; "
                              "write one of them differently")

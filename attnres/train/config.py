@@ -161,7 +161,7 @@ def study() -> TrainConfig:
 def ablations() -> TrainConfig:
     """The size of ``attnres compare --preset ablations``: the study's (``study``), so that its
     PreNorm, Block and Full runs are the study's own, bit for bit. Its designs are
-    ``ABLATIONS``; about 75 minutes on two CPU cores (pilot: docs/RESULTS.md)."""
+    ``ABLATIONS``; about 72 minutes on two CPU cores (pilot: docs/RESULTS.md)."""
     return study()
 
 
