@@ -37,19 +37,25 @@ def fmt(entry: dict) -> str:
 
 def routing_summary(runs: list[dict]) -> tuple[float, float, float]:
     """Mean entropy of the token-averaged depth weights over sites, heads and seeds; the same
-    for uniform weights; and the RMS of the pseudo-queries, mean over seeds."""
+    for uniform weights over the sources each site reads (a window's are those of nonzero
+    weight); and the RMS of the pseudo-queries, mean over seeds. Weights that are not a
+    distribution (DenseFormer's free scalars) have no entropy: NaN."""
     entropies, uniform, query_rms = [], [], []
     for run in runs:
         for weights in run["analysis"]["depth_weights"].values():  # [N_sources][heads]
             for head in zip(*weights):
+                if min(head) < 0 or abs(sum(head) - 1) > 1e-3:
+                    continue
                 entropies.append(-sum(w * math.log(w) for w in head if w > 0))
-                uniform.append(math.log(len(head)))
+                uniform.append(math.log(sum(w > 0 for w in head)))
         ckpt = latest_checkpoint(Path(run["path"]) / "checkpoints")
         queries = load_file(str(ckpt / "model.safetensors")).get("stream.pseudo_queries")
         if queries is not None:  # learned mixing and DenseFormer have none
             query_rms.append(float(queries.square().mean().sqrt()))
-    return (statistics.fmean(entropies), statistics.fmean(uniform),
-            statistics.fmean(query_rms) if query_rms else float("nan"))
+    def mean(values):
+        return statistics.fmean(values) if values else float("nan")
+
+    return mean(entropies), mean(uniform), mean(query_rms)
 
 
 def summarize(folder: Path) -> dict[str, list[dict]]:

@@ -194,14 +194,30 @@ def test_a_window_of_at_least_the_depth_is_full(window, options):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_a_windows_gradients_on_a_backend_equal_the_naive_forms(backend):
+def test_a_windows_gradients_on_a_backend_equal_the_naive_forms(backend, monkeypatch):
     """A short window on the backend (the CPU kernels defer the sources' gradients to a ledger,
     which a window's reads of some sources must feed exactly) against the reference backend."""
+    from attnres.ops import routing
+    from attnres.ops.source_ledger import tracked
+
     naive, fast, _, _ = pair(dict(residual="full", window=2, heads=2, backend=backend),
                              dict(residual="full", window=2, heads=2, backend="naive"), randomize=True)
     x = tokens()
     n_logits, n_grads = loss_and_grads(naive, x)
+    handed = []  # per windowed read of the fast model: (sources completed, of them handed to the ledger)
+    read_sources = routing._read_sources
+
+    def recording(memo, sources, among=None):
+        out = read_sources(memo, sources, among)
+        if among is not None and len(among) < len(memo.prepared):
+            handed.append(sum(tracked(s) is not None for s in out))
+        return out
+
+    monkeypatch.setattr(routing, "_read_sources", recording)
     f_logits, f_grads = loss_and_grads(fast, x)
+    assert handed, "no read was windowed"
+    # the CPU kernels defer a window's sources to the ledger; the torch backend never does
+    assert (min(handed) > 0) if backend == "cpu" else (max(handed) == 0), handed
     torch.testing.assert_close(f_logits, n_logits, atol=1e-5, rtol=1e-5)
     for name, g in n_grads.items():
         torch.testing.assert_close(f_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
@@ -212,6 +228,8 @@ def test_every_gradient_of_the_weighted_sums_equals_the_written_out_forms():
     sources = [torch.randn(2, 6, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     a = torch.randn(3, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda a, *s: weighted_depth_sum(a, s), (a, *sources))
+    per_head = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)  # [N, H]: a weight per head slice
+    torch.autograd.gradcheck(lambda a, *s: weighted_depth_sum(a, s), (per_head, *sources))
     stream = randomized(build_stream("full", dim=6, num_sublayers=2, mixing="learned", heads=2))
     e = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
@@ -229,6 +247,38 @@ def test_every_gradient_of_the_weighted_sums_equals_the_written_out_forms():
         return torch.func.functional_call(Pass(), {"stream.mixing_logits": logits}, (e, v))
 
     torch.autograd.gradcheck(output, (e, v, stream.mixing_logits.detach().clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("shape", [(4,), (4, 2)])
+def test_a_weighted_sum_of_bf16_sources_keeps_only_the_sources_for_backward(shape):
+    """The sum runs in fp32 over bf16 sources; what backward keeps is the sources and weights
+    themselves (no fp32 copy per source), and every gradient equals autograd through the
+    written-out fp32 form, cast back."""
+    torch.manual_seed(0)
+    sources = [torch.randn(3, 5, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+    weights = torch.randn(*shape, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = weighted_depth_sum(weights, sources)
+    assert out.dtype == torch.bfloat16
+    assert {t.data_ptr() for t in saved} == {t.data_ptr() for t in [weights, *sources]}
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [weights, *sources], g)
+
+    w = weights if len(shape) == 1 else weights.repeat_interleave(4, dim=1)
+    w = w[:, None] if len(shape) == 1 else w
+    expected = sum(v.float() * w[j] for j, v in enumerate(sources)).to(torch.bfloat16)
+    assert torch.equal(out, expected)
+    reference = torch.autograd.grad(sum(v.float() * w[j] for j, v in enumerate(sources)), [weights, *sources],
+                                    g.float())
+    torch.testing.assert_close(grads[0], reference[0], atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(grads[1:], reference[1:]):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs.to(torch.bfloat16))
 
 
 def test_traced_weights_keep_fulls_columns():

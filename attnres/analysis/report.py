@@ -237,9 +237,12 @@ def _fig_depth_weights(plt, name, analysis, path):
     fig, axes = plt.subplots(1, heads, figsize=(1.2 + 3.2 * heads if heads > 1 else 6, 0.6 + 0.28 * len(sites)), squeeze=False)
     M = analysis["num_sublayers"]
     labels = [("output" if int(s) == M else f"{int(s)} {'attn' if int(s) % 2 == 0 else 'mlp'}") for s in sites]
+    # softmax weights on the scale 0..1; DenseFormer's weights are free scalars (1 at
+    # initialization), shown on the range they reach
+    vmin, vmax = min(0.0, float(np.nanmin(grid))), max(1.0, float(np.nanmax(grid)))
     for h in range(heads):
         ax = axes[0, h]
-        im = ax.imshow(grid[h], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        im = ax.imshow(grid[h], vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
         ax.set_yticks(range(len(sites)), labels if h == 0 else [""] * len(sites), fontsize=7)
         ax.set_xlabel("source (0 = embedding)")
         ax.set_title(f"head {h}" if heads > 1 else name)
@@ -515,7 +518,9 @@ def _depth_weights_section(c: Comparison, plt) -> list[str]:
              "Rows are routing sites (sublayers, then the output), columns the sources they route over: "
              "column 0 is the embedding; for Full AttnRes column j is sublayer j-1's output; for Block "
              "AttnRes the columns are the completed blocks in order, and the last filled cell of a row in "
-             "the middle of a block is the partial sum of that block.", ""]
+             "the middle of a block is the partial sum of that block. With a window (`full:window=W`) "
+             "a row's sources outside it weigh 0. DenseFormer's cells are its learned weights, not a "
+             "distribution (all 1 at initialization: PreNorm's sum), on the range they reach.", ""]
     for name, analysis in heat:
         fname = f"depth_weights_{label_path(name)}.png"
         _fig_depth_weights(plt, name, analysis, c.root / fname)
