@@ -18,7 +18,7 @@ from attnres.train.trainer import accumulate_gradients
 
 from .conftest import randomize_stream, tiny_model
 
-DESIGNS = ("prenorm", "block", "mhar", "mhar-uneven", "full", "delta", "mhc", "denseformer")
+DESIGNS = ("prenorm", "block", "mhar", "mhar-uneven", "full", "full-window", "delta", "mhc", "denseformer")
 #: every design under these; the other schedules with Block and Delta (the suite's time)
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")
 OTHERS = {"loopedbfs": ("block", "delta"), "dualpipev": ("block", "delta")}

@@ -46,16 +46,28 @@ def results4(tmp_path_factory):
     return launch(tmp_path_factory, 4)
 
 
+#: a gradient's largest difference to one process, relative to its largest entry: fp32's
+#: round-off of summing the same terms in another order. A window's gradients are the most
+#: sensitive to order: one process's own fp32 gradients of ``full-window`` are 1.3e-6 (reference
+#: backend) and 2.4e-6 (CPU kernels) off fp64's, Full's 6e-7.
+GRAD_TOLERANCE = {"full-window": 4e-6}
+
+
+def grad_tolerance(design: str) -> float:
+    return GRAD_TOLERANCE.get(design, 1e-6)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_pipelined_step_equals_one_process_with_the_same_micro_batches(results, schedule):
-    """The loss bit for bit and every gradient within 1e-6 relative, on both ranks: every design
-    (uneven blocks included) under GPipe, 1F1B, interleaved 1F1B and ZBV; Block and Delta under
-    looped BFS and DualPipeV."""
+    """The loss bit for bit and every gradient within 1e-6 relative (a window's within 4e-6,
+    ``GRAD_TOLERANCE``), on both ranks: every design (uneven blocks and a window included)
+    under GPipe, 1F1B, interleaved 1F1B and ZBV; Block and Delta under looped BFS and
+    DualPipeV."""
     for rank in results:
         for design in OTHERS.get(schedule, DESIGNS):
             r = rank[f"{design}/{schedule}"]
             assert r["loss"] == r["ref_loss"], (design, r)
-            assert r["max_rel_grad"] <= 1e-6, (design, r)
+            assert r["max_rel_grad"] <= grad_tolerance(design), (design, r)
     # a running sum's gradients cross the boundary unchanged: bitwise where each stage owns its
     # parameters' reads (the schedules that keep one process's accumulation order)
     if schedule not in OTHERS:
@@ -119,7 +131,7 @@ def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
     assert checked >= 64
 
 
-CACHED = ("block", "mhar", "mhar-uneven", "full", "delta", "denseformer")
+CACHED = ("block", "mhar", "mhar-uneven", "full", "full-window", "delta", "denseformer")
 
 
 @pytest.mark.parametrize("schedule", MULTI_STAGE)
@@ -133,7 +145,8 @@ def test_the_cross_stage_cache_gives_the_same_step(results, schedule):
             r = rank[f"{design}/{schedule}/cache"]
             assert r["cached"] and not rank[f"{design}/{schedule}"]["cached"], design
             assert r["loss"] == r["ref_loss"], (design, r)
-            assert r["max_rel_grad"] <= 1e-6 and r["max_rel_to_off"] <= 1e-6, (design, r)
+            tolerance = grad_tolerance(design)
+            assert r["max_rel_grad"] <= tolerance and r["max_rel_to_off"] <= tolerance, (design, r)
             assert r["left_in_cache"] == 0, (design, r)
 
 
