@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..analysis.capture import capture_analysis
 from ..analysis.report import (check_report_dependencies, choose_baseline, label_path, load_index, run_name,
                                write_report)
@@ -402,6 +404,10 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
     else:
         since = f", from its checkpoint {ckpt.name}" if how == "resume" else ""
         log(f"training {name} ({steps} steps){since}")
+        if cfg.run.compile:
+            # each run compiles its own model; the compiled code of the runs before it would fill
+            # the compiler's cache of the shared forward, past whose limit it runs eager
+            torch.compiler.reset()
         result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over")
         model, summary = result.model, result.summary
     entry = {"design": label, "seed": seed, "dir": name, "options": plan.options[label],
