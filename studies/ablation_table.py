@@ -1,21 +1,23 @@
 """The AttnRes paper's ablation table beside ours, from a comparison folder
 (``attnres compare --preset ablations``): the table of docs/RESULTS.md.
 
-    python studies/ablation_table.py runs/compare-<timestamp>
+    python studies/ablation_table.py runs/compare-<timestamp>       # a comparison's folder
+    python studies/ablation_table.py docs/study/ablations/results.json  # or its results.json
 
 Per row: the paper's loss and its difference to the paper's baseline (1.766, at 436M); ours,
 the mean final validation loss over the seeds every design finished and the difference to
 PreNorm paired over them with its 95% Student-t interval and verdict
-(``analysis.report.comparison_results``); and, for a variant of Full or Block, the same
+(``variant_table.interval``); and, for a variant of Full or Block, the same
 difference to its own design (``full`` or ``block``), which is what the paper's row changes.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
-from attnres.analysis.report import comparison_results, load_comparison
+from variant_table import final_losses, interval
 
 #: the paper's Table 4 (docs/METHOD.md section 9): design here -> (the paper's row, its loss)
 PAPER = {
@@ -37,30 +39,20 @@ PAPER = {
 PAPER_BASELINE = 1.766
 
 
-def interval(entry: dict | None) -> str:
-    if entry is None:
-        return ""
-    if entry["ci95"] is None:
-        return f"{entry['diff_mean']:+.4f} (one seed: no interval)"
-    low, high = entry["ci95"]
-    return f"{entry['diff_mean']:+.4f} [{low:+.4f}, {high:+.4f}] {entry['verdict']}"
-
-
-def table(root: Path) -> str:
-    designs = load_comparison(root).designs  # the seeds every design finished
-    against_prenorm = comparison_results(designs, "prenorm")["designs"]
-    against_own = {base: comparison_results(designs, base)["designs"] for base in ("full", "block") if base in designs}
+def table(source: Path) -> str:
+    losses = final_losses(source)  # the seeds every design finished
     lines = ["| paper's row | paper | paper - baseline | design here | ours (mean) | ours - PreNorm, 95% | "
              "ours - its design, 95% |", "|---|---|---|---|---|---|---|"]
     for label, (row, loss) in PAPER.items():
-        if label not in against_prenorm:
+        if label not in losses:
             continue
         own = label.partition(":")[0]
-        mine = against_prenorm[label]
+        mine = losses[label]
         lines.append(" | ".join([
-            f"| {row}", f"{loss:.3f}", f"{loss - PAPER_BASELINE:+.3f}", f"`{label}`", f"{mine['val_loss_mean']:.4f}",
-            interval(mine if label != "prenorm" else None),
-            interval(against_own[own][label]) if own in against_own and label != own else "",
+            f"| {row}", f"{loss:.3f}", f"{loss - PAPER_BASELINE:+.3f}", f"`{label}`",
+            f"{statistics.fmean(mine.values()):.4f}",
+            interval(losses["prenorm"] if label != "prenorm" else None, mine),
+            interval(losses[own] if own in losses and label != own else None, mine),
         ]) + " |")
     return "\n".join(lines)
 
