@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import BACKENDS, DepthRouter, RoutingMemo, get, static_depth_weights, weighted_depth_sum
-from .base import Stream, Trace, resolve_block_sizes
+from .base import KeepsEverySource, Stream, Trace, resolve_block_sizes
 from .decode import BlockDecoder, FullDecoder
 
 QUERIES = ("static", "input")
@@ -147,7 +147,7 @@ class FullState(NamedTuple):
 MIXINGS = ("attention", "learned")
 
 
-class FullAttnResStream(DepthRoutingStream):
+class FullAttnResStream(KeepsEverySource, DepthRoutingStream):
     """Full AttnRes: the state holds every source ``(e, v_0, ..., v_{i-1})``.
 
     Two ablations of the read (METHOD.md section 9), for which a read runs on its own (no
@@ -166,7 +166,6 @@ class FullAttnResStream(DepthRoutingStream):
     """
 
     kind = "full"
-    counts_writes = True
     decoder_class = FullDecoder
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, mixing: str = "attention",
@@ -251,25 +250,6 @@ class FullAttnResStream(DepthRoutingStream):
         if self.mixing_logits is not None or self.window is not None:
             return None  # the decoder reads every source by attention
         return super()._decoder(like)
-
-    def _hidden(self, state: FullState) -> tuple[torch.Size, torch.device]:
-        first = state.sources[0]
-        return first.shape, first.device
-
-    def _written(self, state: FullState) -> int:
-        return len(state.sources) - 1
-
-    def split_state(self, state: FullState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        return state.sources, ()
-
-    def _join_state(self, completed, rest, i: int) -> FullState:
-        if len(completed) != i + 1 or rest:
-            raise ValueError(f"full stream: the state before sublayer {i} is its {i + 1} sources (e, v_0, ..., "
-                             f"v_{i - 1}), given {len(completed)} and {len(rest)} other tensors")
-        state = self._init(completed[0])
-        for j, v in enumerate(completed[1:]):
-            state = self._write(state, j, v)
-        return state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mixing={self.mixing}, window={self.window}"

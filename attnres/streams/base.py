@@ -249,6 +249,34 @@ class Stream(nn.Module):
         return f"dim={self.dim}, num_sublayers={self.num_sublayers}"
 
 
+class KeepsEverySource:
+    """The state methods of a stream whose state's ``sources`` are ``(e, v_0, ..., v_{i-1})``,
+    every output written so far (Full AttnRes, DenseFormer); mixed in before ``Stream``. Across
+    a pipeline stage they are the completed sources and nothing else; the state is rebuilt by
+    writing them again, so that what the stream keeps beside them is made again too."""
+
+    counts_writes = True
+
+    def _hidden(self, state) -> tuple[torch.Size, torch.device]:
+        first = state.sources[0]
+        return first.shape, first.device
+
+    def _written(self, state) -> int:
+        return len(state.sources) - 1
+
+    def split_state(self, state) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return state.sources, ()
+
+    def _join_state(self, completed, rest, i: int):
+        if len(completed) != i + 1 or rest:
+            raise ValueError(f"{self.kind} stream: the state before sublayer {i} is its {i + 1} sources (e, v_0, "
+                             f"..., v_{i - 1}), given {len(completed)} and {len(rest)} other tensors")
+        state = self._init(completed[0])
+        for j, v in enumerate(completed[1:]):
+            state = self._write(state, j, v)
+        return state
+
+
 class MultiStream(Stream):
     """Base of the designs that keep ``n`` copies of the hidden state, ``[..., n, D]``, each
     starting as a copy of the embedding (HC, mHC, GR).

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..ops import weighted_depth_sum
-from .base import Stream, Trace
+from .base import KeepsEverySource, Stream, Trace
 
 
 class DenseState(NamedTuple):
@@ -31,9 +31,8 @@ class DenseState(NamedTuple):
     sources: tuple[torch.Tensor, ...]
 
 
-class DenseFormerStream(Stream):
+class DenseFormerStream(KeepsEverySource, Stream):
     kind = "denseformer"
-    counts_writes = True
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
         super().__init__(dim, num_sublayers, eps)
@@ -64,19 +63,3 @@ class DenseFormerStream(Stream):
 
     def _output(self, state: DenseState, trace: Trace | None) -> torch.Tensor:
         return self._read(state, self.num_sublayers, trace)
-
-    def _hidden(self, state: DenseState) -> tuple[torch.Size, torch.device]:
-        first = state.sources[0]
-        return first.shape, first.device
-
-    def _written(self, state: DenseState) -> int:
-        return len(state.sources) - 1
-
-    def split_state(self, state: DenseState) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        return state.sources, ()
-
-    def _join_state(self, completed, rest, i: int) -> DenseState:
-        if len(completed) != i + 1 or rest:
-            raise ValueError(f"denseformer stream: the state before sublayer {i} is its {i + 1} sources (e, v_0, "
-                             f"..., v_{i - 1}), given {len(completed)} and {len(rest)} other tensors")
-        return DenseState(tuple(completed))
