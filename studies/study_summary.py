@@ -1,6 +1,10 @@
 """The numbers docs/RESULTS.md reads from a comparison folder (``attnres compare --preset study``).
 
     python studies/study_summary.py runs/compare-<timestamp> [runs/compare-<other> ...]
+    python studies/study_summary.py runs/compare-<timestamp> --variant norm_eps=1e-12
+
+``--variant OPTIONS`` reads the designs written with those options in one comparison (labels
+``prenorm:norm_eps=1e-12``, ``block:norm_eps=1e-12``, ...) as the baselines and pairs above.
 
 For each folder:
 
@@ -18,9 +22,9 @@ variant makes, and the change in each design's gap to Block (hypothesis 2).
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
-import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -58,13 +62,17 @@ def routing_summary(runs: list[dict]) -> tuple[float, float, float]:
     return mean(entropies), mean(uniform), mean(query_rms)
 
 
-def summarize(folder: Path) -> dict[str, list[dict]]:
+def summarize(folder: Path, variant: str = "") -> dict[str, list[dict]]:
     _, runs = load_runs(folder)
     for run in runs:
         run["path"] = folder / run["dir"]
     designs = by_design(runs)
     print(f"# {folder}: {len(next(iter(designs.values())))} seeds")
-    for baseline in [b for b in ("prenorm", "block") if b in designs]:
+
+    def label(name: str) -> str:
+        return f"{name}:{variant}" if variant else name
+
+    for baseline in [label(b) for b in ("prenorm", "block") if label(b) in designs]:
         results = comparison_results(designs, baseline)["designs"]
         print(f"final, against {baseline}:")
         for name, entry in results.items():
@@ -72,6 +80,7 @@ def summarize(folder: Path) -> dict[str, list[dict]]:
                 print(f"  {name:8s} {fmt(entry)}")
     print("curve (paired difference at each evaluation):")
     for name, baseline in (("block", "prenorm"), ("full", "block"), ("mhar", "block"), ("full", "prenorm")):
+        name, baseline = label(name), label(baseline)
         if name not in designs or baseline not in designs:
             continue
         base = {str(r["seed"]): val_curve(r) for r in designs[baseline]}
@@ -106,10 +115,12 @@ def across(first: dict, second: dict) -> None:
 
 
 def main() -> None:
-    folders = [Path(p) for p in sys.argv[1:]]
-    if not folders:
-        sys.exit(__doc__)
-    summaries = [summarize(folder) for folder in folders]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", type=Path, nargs="+", help="comparison folders")
+    parser.add_argument("--variant", default="", metavar="OPTIONS",
+                        help="read the designs written with these options, e.g. norm_eps=1e-12")
+    args = parser.parse_args()
+    summaries = [summarize(folder, args.variant) for folder in args.folders]
     if len(summaries) == 2:
         across(*summaries)
 
