@@ -98,20 +98,20 @@ def summarize(folder: Path, variant: str = "") -> dict[str, list[dict]]:
     return designs
 
 
-def across(first: dict, second: dict) -> None:
+def across(first: dict, second: dict, block: str = "block") -> None:
     """Each design of ``second`` against itself in ``first``, paired over seeds; and each
-    design's gap to Block in ``second`` against that in ``first``."""
+    design's gap to Block (the design labelled ``block``) in ``second`` against that in ``first``."""
     print("# across: second folder minus first, per design (paired over seeds)")
     losses = [{n: {str(r["seed"]): r["summary"]["final_val_loss"] for r in rs} for n, rs in d.items()}
               for d in (first, second)]
     for name in losses[1]:
         if name in losses[0]:
             print(f"  {name:8s} {fmt(paired_difference(losses[0][name], losses[1][name]))}")
-    if "block" in losses[0] and "block" in losses[1]:
+    if block in losses[0] and block in losses[1]:
         for name in losses[1]:
-            if name != "block" and name in losses[0]:
-                gaps = [{s: d[name][s] - d["block"][s] for s in d[name]} for d in losses]
-                print(f"  gap {name} - block: {fmt(paired_difference(gaps[0], gaps[1]))}")
+            if name != block and name in losses[0]:
+                gaps = [{s: d[name][s] - d[block][s] for s in d[name]} for d in losses]
+                print(f"  gap {name} - {block}: {fmt(paired_difference(gaps[0], gaps[1]))}")
 
 
 def main() -> None:
@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     summaries = [summarize(folder, args.variant) for folder in args.folders]
     if len(summaries) == 2:
-        across(*summaries)
+        across(*summaries, block=f"block:{args.variant}" if args.variant else "block")
 
 
 if __name__ == "__main__":
