@@ -62,15 +62,23 @@ def routing_summary(runs: list[dict]) -> tuple[float, float, float]:
     return mean(entropies), mean(uniform), mean(query_rms)
 
 
+def with_variant(name: str, variant: str) -> str:
+    """The label of design ``name`` written with options ``variant`` (none: ``name`` itself)."""
+    return f"{name}:{variant}" if variant else name
+
+
 def summarize(folder: Path, variant: str = "") -> dict[str, list[dict]]:
     _, runs = load_runs(folder)
     for run in runs:
         run["path"] = folder / run["dir"]
     designs = by_design(runs)
+    if variant and not any(name.endswith(f":{variant}") for name in designs):
+        raise SystemExit(f"--variant {variant}: no design of {folder} is written with it; "
+                         f"its designs are {list(designs)}")
     print(f"# {folder}: {len(next(iter(designs.values())))} seeds")
 
     def label(name: str) -> str:
-        return f"{name}:{variant}" if variant else name
+        return with_variant(name, variant)
 
     for baseline in [label(b) for b in ("prenorm", "block") if label(b) in designs]:
         results = comparison_results(designs, baseline)["designs"]
@@ -122,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     summaries = [summarize(folder, args.variant) for folder in args.folders]
     if len(summaries) == 2:
-        across(*summaries, block=f"block:{args.variant}" if args.variant else "block")
+        across(*summaries, block=with_variant("block", args.variant))
 
 
 if __name__ == "__main__":

@@ -337,6 +337,40 @@ def test_paired_intervals_and_verdicts_match_a_written_out_computation(compariso
         write_report(tmp_path, baseline="gr")
 
 
+def test_the_study_summary_pairs_the_labels_of_one_variant(comparison, tmp_path):
+    """``studies/study_summary.py --variant OPTIONS`` takes the designs written with those options
+    as its baselines: its final differences are the written-out paired intervals of the known
+    losses, and a variant no design is written with is refused naming it."""
+    import shutil
+
+    runs = []
+    for design in ("prenorm", "block"):
+        label = f"{design}:norm_eps=1e-12"
+        for seed, loss in enumerate(KNOWN[design]):
+            name = f"{design}+norm_eps=1e-12-seed{seed}"
+            shutil.copytree(comparison.parent / design, tmp_path / name)
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "final_val_loss": loss}))
+            runs.append({"design": label, "seed": seed, "dir": name})
+    (tmp_path / "compare.json").write_text(json.dumps(
+        {"designs": ["prenorm:norm_eps=1e-12", "block:norm_eps=1e-12"], "seeds": [0, 1, 2], "runs": runs}))
+    script = Path(__file__).parents[1] / "studies" / "study_summary.py"
+
+    def summary(*args):
+        return subprocess.run([sys.executable, script, tmp_path, *args], capture_output=True, text=True, timeout=120)
+
+    proc = summary("--variant", "norm_eps=1e-12")
+    assert proc.returncode == 0, proc.stderr
+    mean, (low, high) = written_out_interval("block")
+    assert f"final, against prenorm:norm_eps=1e-12:\n  block:norm_eps=1e-12 {mean:+.4f} [{low:+.4f}, {high:+.4f}] better" \
+        in proc.stdout
+    assert "  block:norm_eps=1e-12 - prenorm:norm_eps=1e-12: " in proc.stdout
+    refused = summary("--variant", "norm_eps=1e-9")
+    assert refused.returncode == 1
+    assert (f"--variant norm_eps=1e-9: no design of {tmp_path} is written with it; its designs are "
+            "['prenorm:norm_eps=1e-12', 'block:norm_eps=1e-12']") in refused.stderr
+
+
 def test_two_identical_comparisons_log_identical_losses(tmp_path):
     """The same command twice on one machine: the same losses, bit for bit, in every run's log and
     in results.json."""
