@@ -109,7 +109,13 @@ class RMSNormProjectFunction(torch.autograd.Function):
         dx = rr * (dz @ W^T) - x * (rr^3 / K) * sum_c(dz * y)
         dW = x^T @ (rr * dz)
 
-    It keeps ``x`` (the caller's state, kept anyway), ``rr`` ``[..., 1]`` and ``y`` ``[..., C]``."""
+    It keeps ``x`` (the caller's state, kept anyway), ``rr`` ``[..., 1]`` and ``y`` ``[..., C]``.
+
+    ``C`` is a few numbers (1 to 24 in HC, mHC and GR), and a CPU BLAS runs such skinny products
+    at very different speeds by layout: ``x @ W`` is formed with ``W`` as the transposed view of
+    a contiguous ``[C, K]`` copy (a few KiB) and ``dW`` as ``(dz^T @ x)^T``, the layouts that ran
+    1.3-3x faster at the multi-stream designs' shapes (docs/BENCHMARKS.md, "Training step at the
+    size of ``attnres compare``"); the numbers differ only in rounding."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -117,7 +123,7 @@ class RMSNormProjectFunction(torch.autograd.Function):
         xf, wf = x.to(dt), weight.to(dt)
         K = x.shape[-1]
         rr = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(K).add_(eps))
-        y = xf @ wf
+        y = xf @ wf.T.contiguous().T
         ctx.save_for_backward(x, weight, rr, y)
         return y * rr
 
@@ -132,7 +138,7 @@ class RMSNormProjectFunction(torch.autograd.Function):
             coef = (dz.to(dt) * y).sum(-1, keepdim=True).mul_(rr.pow(3)).div_(-K)  # [..., 1]
             dx = (dzr @ wf.T).addcmul_(xf, coef).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dW = (xf.reshape(-1, K).T @ dzr.reshape(-1, dzr.shape[-1])).to(weight.dtype)
+            dW = (dzr.reshape(-1, dzr.shape[-1]).T @ xf.reshape(-1, K)).T.to(weight.dtype)
         return dx, dW, None
 
 

@@ -31,7 +31,7 @@ _SIGNATURES = {
     "stream_mix_backward": [_I64] * 3 + [_PTR, _I64, _I64] + [_PTR] * 4 + [_I32],
     "stream_update_forward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 3 + [_I32],
     "stream_update_backward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 7 + [_I32],
-    "gated_mix_forward": [_I64] * 3 + [_PTR] * 4 + [_I32],
+    "gated_mix_forward": [_I64] * 3 + [_PTR] * 3 + [_I32],
     "gated_mix_backward": [_I64] * 3 + [_PTR] * 5 + [_I32],
     "sinkhorn_forward": [_I64] * 3 + [_PTR, _PTR, _I32],
     "sinkhorn_backward": [_I64] * 3 + [_PTR] * 3 + [_I32],
@@ -127,19 +127,19 @@ class StreamUpdateFunction(torch.autograd.Function):
 
 
 class GatedMixFunction(torch.autograd.Function):
-    """``y = mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]`` (GR's read). With
-    autograd it keeps the gates ``sigmoid(z)`` in place of ``z`` (the same size), so that backward
-    computes no exponential; without, they are never written."""
+    """``y = mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]`` (GR's read). The gates
+    ``sigmoid(z)`` come from PyTorch's vectorized sigmoid (a scalar exponential per number in
+    the kernel took most of its time); autograd keeps them in place of ``z`` (the same size), so
+    that backward computes no exponential."""
 
     @staticmethod
     def forward(ctx, R, z):
         n, D = R.shape[-2:]
-        R, z = R.contiguous(), z.contiguous()
+        R = R.contiguous()
+        gates = torch.sigmoid(z).contiguous()
         y = torch.empty(R.shape[:-2] + (D,), dtype=R.dtype)
-        s = torch.empty_like(z) if any(ctx.needs_input_grad) else None
-        _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(y), _ptr(s),
-                                              _threads())
-        ctx.save_for_backward(R, s)
+        _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(gates), _ptr(y), _threads())
+        ctx.save_for_backward(R, gates)
         return y
 
     @staticmethod

@@ -24,22 +24,78 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+// Lanes of a chunk: one 64-byte vector of F (16 fp32, 8 fp64). Sums over d run in LANES
+// independent chains, added in a fixed tree at the end, so that the compiler vectorizes them
+// (the order of a float sum is otherwise fixed, and one chain waits on every add).
+template <typename F>
+constexpr int LANES = 64 / sizeof(F);
+
+// sum over lanes: halves added pairwise, the same order every call
+template <typename F>
+inline F lane_sum(F* acc) {
+  for (int h = LANES<F> / 2; h > 0; h /= 2)
+    for (int w = 0; w < h; ++w) acc[w] += acc[w + h];
+  return acc[0];
+}
+
 template <typename F>
 inline F dot(const F* a, const F* b, int64_t n) {
-  F s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains, so that the adds do not wait on each other
+  constexpr int W = LANES<F>;
+  F acc[W] = {};
   int64_t d = 0;
-  for (; d + 4 <= n; d += 4) {
-    s0 += a[d] * b[d];
-    s1 += a[d + 1] * b[d + 1];
-    s2 += a[d + 2] * b[d + 2];
-    s3 += a[d + 3] * b[d + 3];
+  for (; d + W <= n; d += W)
+    for (int w = 0; w < W; ++w) acc[w] += a[d + w] * b[d + w];
+  for (int w = 0; d < n; ++d, ++w) acc[w] += a[d] * b[d];
+  return lane_sum(acc);
+}
+
+// out[i * os + j] = dot(a_i, b_j, D) for i < NA, j < NB, with a_i = a + i * as and b_j = b + j * bs:
+// every pair in one pass over d (each a_i and b_j chunk loaded once for all pairs), with the
+// same lanes and tree as `dot`, so that it gives dot's numbers.
+template <typename F, int NA, int NB>
+inline void dots(const F* a, int64_t as, const F* b, int64_t bs, int64_t D, F* out, int64_t os) {
+  constexpr int W = LANES<F>;
+  F acc[NA][NB][W] = {};
+  int64_t d = 0;
+  for (; d + W <= D; d += W)
+    for (int i = 0; i < NA; ++i)
+      for (int j = 0; j < NB; ++j)
+        for (int w = 0; w < W; ++w) acc[i][j][w] += a[i * as + d + w] * b[j * bs + d + w];
+  for (int w = 0; d < D; ++d, ++w)
+    for (int i = 0; i < NA; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j][w] += a[i * as + d] * b[j * bs + d];
+  for (int i = 0; i < NA; ++i)
+    for (int j = 0; j < NB; ++j) out[i * os + j] = lane_sum(acc[i][j]);
+}
+
+// `dots` for na x nb pairs: blocked when the counts are known at compile time (NA, NB > 0),
+// pair by pair otherwise
+template <typename F, int NA, int NB>
+inline void dots_any(const F* a, int64_t as, int64_t na, const F* b, int64_t bs, int64_t nb, int64_t D, F* out,
+                     int64_t os) {
+  if constexpr (NA > 0 && NB > 0) {
+    dots<F, NA, NB>(a, as, b, bs, D, out, os);
+  } else {
+    for (int64_t i = 0; i < na; ++i)
+      for (int64_t j = 0; j < nb; ++j) out[i * os + j] = dot(a + i * as, b + j * bs, D);
   }
-  for (; d < n; ++d) s0 += a[d] * b[d];
-  return (s0 + s1) + (s2 + s3);
+}
+
+// Calls f.template operator()<NN>() with NN = n for the common sizes (loops unroll and
+// vectorize), NN = 0 (read at run time) for the others.
+template <typename Fn>
+inline void with_side(int64_t n, Fn&& f) {
+  switch (n) {
+    case 2: return f(std::integral_constant<int, 2>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 8: return f(std::integral_constant<int, 8>());
+    default: return f(std::integral_constant<int, 0>());
+  }
 }
 
 template <typename F>
@@ -59,20 +115,20 @@ void mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_
   }
 }
 
-template <typename F>
-void mix_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* w, const F* g,
+template <typename F, int NN>
+void mix_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, int64_t ks, const F* w, const F* g,
                   F* dH, F* dw, int threads) {
+  const int64_t n = NN ? NN : n_;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const F* gt = g + t * D;
-    for (int64_t k = 0; k < n; ++k) {
-      if (dH) {
+    if (dH)
+      for (int64_t k = 0; k < n; ++k) {
         const F a = w[t * n + k];
         F* dh = dH + (t * n + k) * D;
         for (int64_t d = 0; d < D; ++d) dh[d] = a * gt[d];
       }
-      if (dw) dw[t * n + k] = dot(gt, H + t * ts + k * ks, D);
-    }
+    if (dw) dots_any<F, 1, NN>(gt, 0, 1, H + t * ts, ks, n, D, dw + t * n, n);
   }
 }
 
@@ -104,9 +160,10 @@ void update_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int
   }
 }
 
-template <typename F>
-void update_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A, int trans,
+template <typename F, int NN>
+void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A, int trans,
                      const F* b, const F* v, const F* g, F* dH, F* dA, F* db, F* dv, int threads) {
+  const int64_t n = NN ? NN : n_;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const F* h = H + t * ts;
@@ -128,18 +185,13 @@ void update_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, in
         }
       }
     }
-    if (dA) {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t k = 0; k < n; ++k) {
-          const F s = dot(gt + j * D, h + k * ks, D);
-          if (trans)
-            dA[(t * n + k) * n + j] = s;
-          else
-            dA[(t * n + j) * n + k] = s;
-        }
+    if (dA) {  // dA[j, k] = g_j . h_k, written [j, k] or transposed [k, j]
+      if (trans)
+        dots_any<F, NN, NN>(h, ks, n, gt, D, n, D, dA + t * n * n, n);
+      else
+        dots_any<F, NN, NN>(gt, D, n, h, ks, n, D, dA + t * n * n, n);
     }
-    if (db)
-      for (int64_t j = 0; j < n; ++j) db[t * n + j] = dot(gt + j * D, vt, D);
+    if (db) dots_any<F, NN, 1>(gt, D, n, vt, 0, 1, D, db + t * n, 1);
     if (dv) {
       F* o = dv + t * D;
       const F b0 = b[t * n];
@@ -153,26 +205,18 @@ void update_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, in
   }
 }
 
+// GR's read from its gates s = sigmoid(z), computed by the caller (PyTorch's vectorized sigmoid)
+// and kept for backward, so that backward computes no exponential:
+//   y = (1/n) sum_k s_k R_k;  dR = s g / n;  dz = (g / n) R s (1 - s)
 template <typename F>
-inline F sigmoid(F x) {
-  return F(1) / (F(1) + std::exp(-x));
-}
-
-// Forward also writes the gates sigmoid(z) to s (when not null), so that backward computes no
-// exponential: dR = s g / n;  dz = (g / n) R s (1 - s)
-template <typename F>
-void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, F* s, int threads) {
+void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, F* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     F* out = y + t * D;
     for (int64_t d = 0; d < D; ++d) out[d] = 0;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t row = (t * n + k) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const F gate = sigmoid(z[row + d]);
-        if (s) s[row + d] = gate;
-        out[d] += gate * R[row + d];
-      }
+      for (int64_t d = 0; d < D; ++d) out[d] += s[row + d] * R[row + d];
     }
     for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
   }
@@ -195,129 +239,148 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, con
   }
 }
 
-// The matrices' side n, known at compile time for the common sizes (the loops unroll and
-// vectorize) or read at run time (NN = 0).
-template <int NN>
-inline int64_t side(int64_t n) {
-  return NN ? NN : n;
+// Sinkhorn runs on a chunk of LANES matrices at a time, laid out entry-major (c[e][l]: entry e
+// of the chunk's matrix l), so that every step of the iteration is one vector operation over
+// the chunk while each matrix sees exactly the operations, in the order, of the scalar loop.
+// A chunk's last matrices past B are padded with zero logits and never written back.
+
+// c[e][l] = x[b0 + l][e] for l < count, 0 beyond
+template <typename F>
+inline void load_chunk(const F* x, int64_t nn, int64_t count, F* c) {
+  constexpr int L = LANES<F>;
+  for (int64_t e = 0; e < nn; ++e)
+    for (int64_t l = 0; l < L; ++l) c[e * L + l] = l < count ? x[l * nn + e] : F(0);
 }
 
-// One half step in place: rows (col = 0) or columns (col = 1) of p [n, n] scaled to sum 1.
-// Writes each line's reciprocal to inv[n] and whether its sum was above the clamp to live[n].
-template <typename F, int NN>
-inline void normalize(F* p, int64_t n_, int col, F* inv, unsigned char* live) {
-  const int64_t n = side<NN>(n_);
+// p = exp(x - max x) per matrix of the chunk, in place; the maxima into m[L]
+template <typename F>
+inline void shifted_exp(F* c, int64_t nn, F* m) {
+  constexpr int L = LANES<F>;
+  for (int l = 0; l < L; ++l) m[l] = c[l];
+  for (int64_t e = 1; e < nn; ++e)
+    for (int l = 0; l < L; ++l) m[l] = c[e * L + l] > m[l] ? c[e * L + l] : m[l];
+  for (int64_t e = 0; e < nn; ++e)
+    for (int l = 0; l < L; ++l) c[e * L + l] = std::exp(c[e * L + l] - m[l]);
+}
+
+// One half step of the chunk in place: rows (col = 0) or columns (col = 1) scaled to sum 1.
+// Each sum is clamped below at the smallest normal number and its line multiplied by the
+// reciprocal; the reciprocals go to inv[n][L] and whether the sum was above the clamp to
+// live[n][L] (both may be the same scratch on every call when not needed).
+template <typename F, int NN, int col>
+inline void normalize_lines(F* __restrict c, int64_t n_, F* __restrict inv, F* __restrict live) {
+  constexpr int L = LANES<F>;
+  const int64_t n = NN ? NN : n_;
   const F tiny = std::numeric_limits<F>::min();
   for (int64_t i = 0; i < n; ++i) {
-    F s = 0;
-    for (int64_t j = 0; j < n; ++j) s += col ? p[j * n + i] : p[i * n + j];
-    live[i] = s >= tiny;
-    inv[i] = F(1) / (s >= tiny ? s : tiny);
-    for (int64_t j = 0; j < n; ++j) (col ? p[j * n + i] : p[i * n + j]) *= inv[i];
+    F s[L] = {}, r[L];
+    for (int64_t j = 0; j < n; ++j) {
+      const F* line = c + (col ? j * n + i : i * n + j) * L;
+      for (int l = 0; l < L; ++l) s[l] += line[l];
+    }
+    for (int l = 0; l < L; ++l) {
+      live[i * L + l] = s[l] >= tiny ? F(1) : F(0);
+      r[l] = F(1) / (s[l] >= tiny ? s[l] : tiny);
+      inv[i * L + l] = r[l];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      F* line = c + (col ? j * n + i : i * n + j) * L;
+      for (int l = 0; l < L; ++l) line[l] *= r[l];
+    }
   }
 }
 
-// p = exp(x - max x) of one matrix; returns the max
-template <typename F>
-inline F shifted_exp(const F* x, int64_t nn, F* p) {
-  F m = x[0];
-  for (int64_t e = 1; e < nn; ++e) m = x[e] > m ? x[e] : m;
-  for (int64_t e = 0; e < nn; ++e) p[e] = std::exp(x[e] - m);
-  return m;
+template <typename F, int NN>
+inline void normalize(F* c, int64_t n, int col, F* inv, F* live) {
+  if (col)
+    normalize_lines<F, NN, 1>(c, n, inv, live);
+  else
+    normalize_lines<F, NN, 0>(c, n, inv, live);
 }
 
 template <typename F, int NN>
 void sinkhorn_forward(int64_t B, int64_t n_, int64_t iterations, const F* x, F* p, int threads) {
-  const int64_t n = side<NN>(n_), nn = n * n;
+  constexpr int L = LANES<F>;
+  const int64_t n = NN ? NN : n_, nn = n * n, chunks = (B + L - 1) / L;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<F> inv(n);
-    std::vector<unsigned char> live(n);
+    std::vector<F> c(nn * L), inv(n * L), live(n * L), m(L);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      F* pb = p + b * nn;
-      shifted_exp(x + b * nn, nn, pb);
+    for (int64_t k = 0; k < chunks; ++k) {
+      const int64_t b0 = k * L, count = B - b0 < L ? B - b0 : L;
+      load_chunk(x + b0 * nn, nn, count, c.data());
+      shifted_exp(c.data(), nn, m.data());
       for (int64_t it = 0; it < iterations; ++it) {
-        normalize<F, NN>(pb, n, 0, inv.data(), live.data());
-        normalize<F, NN>(pb, n, 1, inv.data(), live.data());
+        normalize<F, NN>(c.data(), n, 0, inv.data(), live.data());
+        normalize<F, NN>(c.data(), n, 1, inv.data(), live.data());
       }
+      for (int64_t l = 0; l < count; ++l)
+        for (int64_t e = 0; e < nn; ++e) p[(b0 + l) * nn + e] = c[e * L + l];
     }
   }
 }
 
 // Reverse mode through the iterations exactly as autograd differentiates the PyTorch loop: the
-// forward is run again per matrix, keeping each half step's input and reciprocals (2 x
-// iterations x (n^2 + 2n) numbers per thread), then each half step is reversed:
+// forward is run again per chunk, keeping each half step's input and reciprocals (2 x
+// iterations x (n^2 + 2n) x LANES numbers per thread), then each half step is reversed:
 //   q = p * inv (per line),  inv = 1 / max(s, tiny),  s = sum over the line of p
 //   dp = dq * inv + ds,  ds = -inv^2 * sum_line(dq * p)  (0 where s was clamped)
 // and the shift: dx = dp0 * p0, with -sum(dp0 * p0) shared out over the maxima (amax's rule).
 template <typename F, int NN>
 void sinkhorn_backward(int64_t B, int64_t n_, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
-  const int64_t n = side<NN>(n_), nn = n * n, steps = 2 * iterations;
+  constexpr int L = LANES<F>;
+  const int64_t n = NN ? NN : n_, nn = n * n, steps = 2 * iterations, chunks = (B + L - 1) / L;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<F> ps((steps + 1) * nn), invs(steps * n), dp(nn);
-    std::vector<unsigned char> lives(steps * n);
+    std::vector<F> xs(nn * L), ps((steps + 1) * nn * L), invs(steps * n * L), lives(steps * n * L), dp(nn * L),
+        m(L);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      const F* xb = x + b * nn;
-      const F m = shifted_exp(xb, nn, ps.data());
+    for (int64_t k = 0; k < chunks; ++k) {
+      const int64_t b0 = k * L, count = B - b0 < L ? B - b0 : L;
+      load_chunk(x + b0 * nn, nn, count, xs.data());
+      for (int64_t e = 0; e < nn * L; ++e) ps[e] = xs[e];
+      shifted_exp(ps.data(), nn, m.data());
       for (int64_t s = 0; s < steps; ++s) {
-        F* next = ps.data() + (s + 1) * nn;
-        for (int64_t e = 0; e < nn; ++e) next[e] = ps[s * nn + e];
-        normalize<F, NN>(next, n, int(s % 2), invs.data() + s * n, lives.data() + s * n);
+        F* next = ps.data() + (s + 1) * nn * L;
+        for (int64_t e = 0; e < nn * L; ++e) next[e] = ps[s * nn * L + e];
+        normalize<F, NN>(next, n, int(s % 2), invs.data() + s * n * L, lives.data() + s * n * L);
       }
-      for (int64_t e = 0; e < nn; ++e) dp[e] = gp[b * nn + e];
+      load_chunk(gp + b0 * nn, nn, count, dp.data());
       for (int64_t s = steps - 1; s >= 0; --s) {
         const int col = int(s % 2);
-        const F* p = ps.data() + s * nn;  // the half step's input
-        const F* inv = invs.data() + s * n;
-        const unsigned char* live = lives.data() + s * n;
+        const F* p = ps.data() + s * nn * L;  // the half step's input
+        const F* inv = invs.data() + s * n * L;
+        const F* live = lives.data() + s * n * L;
         for (int64_t i = 0; i < n; ++i) {
-          F acc = 0;
+          F acc[L] = {};
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t e = col ? j * n + i : i * n + j;
-            acc += dp[e] * p[e];
+            const int64_t e = (col ? j * n + i : i * n + j) * L;
+            for (int l = 0; l < L; ++l) acc[l] += dp[e + l] * p[e + l];
           }
-          const F dsum = live[i] ? -inv[i] * inv[i] * acc : F(0);
+          F dsum[L];
+          for (int l = 0; l < L; ++l) {
+            const F r = inv[i * L + l];
+            dsum[l] = live[i * L + l] != F(0) ? -r * r * acc[l] : F(0);
+          }
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t e = col ? j * n + i : i * n + j;
-            dp[e] = dp[e] * inv[i] + dsum;
+            const int64_t e = (col ? j * n + i : i * n + j) * L;
+            for (int l = 0; l < L; ++l) dp[e + l] = dp[e + l] * inv[i * L + l] + dsum[l];
           }
         }
       }
-      F* d = dx + b * nn;
-      F total = 0;
-      int64_t maxima = 0;
-      for (int64_t e = 0; e < nn; ++e) {
-        d[e] = dp[e] * ps[e];
-        total += d[e];
-        maxima += xb[e] == m;
-      }
-      const F share = -total / F(maxima);
+      F total[L] = {}, maxima[L] = {};
       for (int64_t e = 0; e < nn; ++e)
-        if (xb[e] == m) d[e] += share;
+        for (int l = 0; l < L; ++l) {
+          dp[e * L + l] *= ps[e * L + l];
+          total[l] += dp[e * L + l];
+          maxima[l] += xs[e * L + l] == m[l] ? F(1) : F(0);
+        }
+      for (int64_t l = 0; l < count; ++l) {
+        const F share = -total[l] / maxima[l];
+        for (int64_t e = 0; e < nn; ++e)
+          dx[(b0 + l) * nn + e] = dp[e * L + l] + (xs[e * L + l] == m[l] ? share : F(0));
+      }
     }
-  }
-}
-
-template <typename F>
-void sinkhorn_forward_any(int64_t B, int64_t n, int64_t iterations, const F* x, F* p, int threads) {
-  switch (n) {
-    case 2: return sinkhorn_forward<F, 2>(B, n, iterations, x, p, threads);
-    case 4: return sinkhorn_forward<F, 4>(B, n, iterations, x, p, threads);
-    case 8: return sinkhorn_forward<F, 8>(B, n, iterations, x, p, threads);
-    default: return sinkhorn_forward<F, 0>(B, n, iterations, x, p, threads);
-  }
-}
-
-template <typename F>
-void sinkhorn_backward_any(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
-  switch (n) {
-    case 2: return sinkhorn_backward<F, 2>(B, n, iterations, x, gp, dx, threads);
-    case 4: return sinkhorn_backward<F, 4>(B, n, iterations, x, gp, dx, threads);
-    case 8: return sinkhorn_backward<F, 8>(B, n, iterations, x, gp, dx, threads);
-    default: return sinkhorn_backward<F, 0>(B, n, iterations, x, gp, dx, threads);
   }
 }
 
@@ -331,7 +394,7 @@ extern "C" {
   }                                                                                                              \
   void attnres_stream_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, \
                                             const F* w, const F* g, F* dH, F* dw, int threads) {                \
-    mix_backward<F>(T, n, D, H, ts, ks, w, g, dH, dw, threads);                                                  \
+    with_side(n, [&](auto NN) { mix_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, g, dH, dw, threads); });                                               \
   }                                                                                                              \
   void attnres_stream_update_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,          \
                                               int64_t ks, const F* A, int trans, const F* b, const F* v, F* out, \
@@ -341,11 +404,13 @@ extern "C" {
   void attnres_stream_update_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,         \
                                                int64_t ks, const F* A, int trans, const F* b, const F* v,        \
                                                const F* g, F* dH, F* dA, F* db, F* dv, int threads) {            \
-    update_backward<F>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                          \
+    with_side(n, [&](auto NN) {                                                                        \
+      update_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                  \
+    });                          \
   }                                                                                                              \
-  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, F* s, \
+  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* s, F* y,       \
                                           int threads) {                                                         \
-    gated_forward<F>(T, n, D, R, z, y, s, threads);                                                              \
+    gated_forward<F>(T, n, D, R, s, y, threads);                                                                 \
   }                                                                                                              \
   void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* s, const F* g, \
                                            F* dR, F* dz, int threads) {                                          \
@@ -353,11 +418,11 @@ extern "C" {
   }                                                                                                              \
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
-    sinkhorn_forward_any<F>(B, n, iterations, x, p, threads);                                                        \
+    with_side(n, [&](auto NN) { sinkhorn_forward<F, decltype(NN)::value>(B, n, iterations, x, p, threads); });                  \
   }                                                                                                              \
   void attnres_sinkhorn_backward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp,    \
                                           F* dx, int threads) {                                                  \
-    sinkhorn_backward_any<F>(B, n, iterations, x, gp, dx, threads);                                                  \
+    with_side(n, [&](auto NN) { sinkhorn_backward<F, decltype(NN)::value>(B, n, iterations, x, gp, dx, threads); });            \
   }
 ATTNRES_MULTI_STREAM(f32, float)
 ATTNRES_MULTI_STREAM(f64, double)
