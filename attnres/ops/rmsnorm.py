@@ -123,7 +123,9 @@ class RMSNormProjectFunction(torch.autograd.Function):
         xf, wf = x.to(dt), weight.to(dt)
         K = x.shape[-1]
         rr = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(K).add_(eps))
-        y = xf @ wf.T.contiguous().T
+        # [..., K] folded to [rows, K] by hand: matmul does not fold an input that requires grad
+        # against a transposed weight, and runs a batched product instead
+        y = (xf.reshape(-1, K) @ wf.T.contiguous().T).reshape(*x.shape[:-1], wf.shape[-1])
         ctx.save_for_backward(x, weight, rr, y)
         return y * rr
 
