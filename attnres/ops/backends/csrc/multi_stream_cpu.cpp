@@ -239,59 +239,68 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, con
   }
 }
 
-// Sinkhorn runs on a chunk of LANES matrices at a time, laid out entry-major (c[e][l]: entry e
-// of the chunk's matrix l), so that every step of the iteration is one vector operation over
-// the chunk while each matrix sees exactly the operations, in the order, of the scalar loop.
-// A chunk's last matrices past B are padded with zero logits and never written back.
-
-// c[e][l] = x[b0 + l][e] for l < count, 0 beyond
+// Sinkhorn runs on a chunk of LANES matrices at a time, entry-major: c[e] is one vector holding
+// entry e of the chunk's LANES matrices, so that every step of the iteration is one vector
+// operation over the chunk while each matrix sees exactly the operations, in the order, of the
+// scalar loop. A chunk's last matrices past B are padded with zero logits and never written back.
 template <typename F>
-inline void load_chunk(const F* x, int64_t nn, int64_t count, F* c) {
-  constexpr int L = LANES<F>;
+struct Lanes;  // one 64-byte vector of F (GCC's and Clang's vector extension)
+template <>
+struct Lanes<float> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Lanes<double> {
+  typedef double type __attribute__((vector_size(64)));
+};
+template <typename F>
+using lanes = typename Lanes<F>::type;
+
+// c[e][l] = x[l][e] for l < count, 0 beyond (x: the chunk's first matrix, nn entries each)
+template <typename F>
+inline void load_chunk(const F* x, int64_t nn, int64_t count, lanes<F>* c) {
   for (int64_t e = 0; e < nn; ++e)
-    for (int64_t l = 0; l < L; ++l) c[e * L + l] = l < count ? x[l * nn + e] : F(0);
+    for (int64_t l = 0; l < LANES<F>; ++l) c[e][l] = l < count ? x[l * nn + e] : F(0);
 }
 
-// p = exp(x - max x) per matrix of the chunk, in place; the maxima into m[L]
 template <typename F>
-inline void shifted_exp(F* c, int64_t nn, F* m) {
-  constexpr int L = LANES<F>;
-  for (int l = 0; l < L; ++l) m[l] = c[l];
-  for (int64_t e = 1; e < nn; ++e)
-    for (int l = 0; l < L; ++l) m[l] = c[e * L + l] > m[l] ? c[e * L + l] : m[l];
-  for (int64_t e = 0; e < nn; ++e)
-    for (int l = 0; l < L; ++l) c[e * L + l] = std::exp(c[e * L + l] - m[l]);
+inline void store_chunk(const lanes<F>* c, int64_t nn, int64_t count, F* x) {
+  for (int64_t l = 0; l < count; ++l)
+    for (int64_t e = 0; e < nn; ++e) x[l * nn + e] = c[e][l];
 }
 
-// One half step of the chunk in place: rows (col = 0) or columns (col = 1) scaled to sum 1.
+// p = exp(x - max x) per matrix of the chunk, in place; returns the maxima
+template <typename F>
+inline lanes<F> shifted_exp(lanes<F>* c, int64_t nn) {
+  lanes<F> m = c[0];
+  for (int64_t e = 1; e < nn; ++e) m = c[e] > m ? c[e] : m;
+  for (int64_t e = 0; e < nn; ++e) {
+    const lanes<F> shifted = c[e] - m;
+    for (int l = 0; l < LANES<F>; ++l) c[e][l] = std::exp(shifted[l]);
+  }
+  return m;
+}
+
+// One half step of the chunk in place: rows (COL = 0) or columns (COL = 1) scaled to sum 1.
 // Each sum is clamped below at the smallest normal number and its line multiplied by the
-// reciprocal; the reciprocals go to inv[n][L] and whether the sum was above the clamp to
-// live[n][L] (both may be the same scratch on every call when not needed).
-template <typename F, int NN, int col>
-inline void normalize_lines(F* __restrict c, int64_t n_, F* __restrict inv, F* __restrict live) {
-  constexpr int L = LANES<F>;
+// reciprocal, written to inv[n]; live[n] is 1 where the sum was above the clamp, else 0.
+template <typename F, int NN, int COL>
+inline void normalize_lines(lanes<F>* __restrict c, int64_t n_, lanes<F>* __restrict inv,
+                            lanes<F>* __restrict live) {
   const int64_t n = NN ? NN : n_;
-  const F tiny = std::numeric_limits<F>::min();
+  const lanes<F> tiny = lanes<F>{} + std::numeric_limits<F>::min(), one = lanes<F>{} + F(1), zero = {};
   for (int64_t i = 0; i < n; ++i) {
-    F s[L] = {}, r[L];
-    for (int64_t j = 0; j < n; ++j) {
-      const F* line = c + (col ? j * n + i : i * n + j) * L;
-      for (int l = 0; l < L; ++l) s[l] += line[l];
-    }
-    for (int l = 0; l < L; ++l) {
-      live[i * L + l] = s[l] >= tiny ? F(1) : F(0);
-      r[l] = F(1) / (s[l] >= tiny ? s[l] : tiny);
-      inv[i * L + l] = r[l];
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      F* line = c + (col ? j * n + i : i * n + j) * L;
-      for (int l = 0; l < L; ++l) line[l] *= r[l];
-    }
+    lanes<F> s = {};
+    for (int64_t j = 0; j < n; ++j) s += c[COL ? j * n + i : i * n + j];
+    const auto above = s >= tiny;
+    live[i] = above ? one : zero;
+    inv[i] = one / (above ? s : tiny);
+    for (int64_t j = 0; j < n; ++j) c[COL ? j * n + i : i * n + j] *= inv[i];
   }
 }
 
 template <typename F, int NN>
-inline void normalize(F* c, int64_t n, int col, F* inv, F* live) {
+inline void normalize(lanes<F>* c, int64_t n, int col, lanes<F>* inv, lanes<F>* live) {
   if (col)
     normalize_lines<F, NN, 1>(c, n, inv, live);
   else
@@ -304,25 +313,24 @@ void sinkhorn_forward(int64_t B, int64_t n_, int64_t iterations, const F* x, F* 
   const int64_t n = NN ? NN : n_, nn = n * n, chunks = (B + L - 1) / L;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<F> c(nn * L), inv(n * L), live(n * L), m(L);
+    std::vector<lanes<F>> c(nn), inv(n), live(n);
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t b0 = k * L, count = B - b0 < L ? B - b0 : L;
-      load_chunk(x + b0 * nn, nn, count, c.data());
-      shifted_exp(c.data(), nn, m.data());
+      load_chunk<F>(x + b0 * nn, nn, count, c.data());
+      shifted_exp<F>(c.data(), nn);
       for (int64_t it = 0; it < iterations; ++it) {
         normalize<F, NN>(c.data(), n, 0, inv.data(), live.data());
         normalize<F, NN>(c.data(), n, 1, inv.data(), live.data());
       }
-      for (int64_t l = 0; l < count; ++l)
-        for (int64_t e = 0; e < nn; ++e) p[(b0 + l) * nn + e] = c[e * L + l];
+      store_chunk<F>(c.data(), nn, count, p + b0 * nn);
     }
   }
 }
 
 // Reverse mode through the iterations exactly as autograd differentiates the PyTorch loop: the
 // forward is run again per chunk, keeping each half step's input and reciprocals (2 x
-// iterations x (n^2 + 2n) x LANES numbers per thread), then each half step is reversed:
+// iterations x (n^2 + 2n) vectors per thread), then each half step is reversed:
 //   q = p * inv (per line),  inv = 1 / max(s, tiny),  s = sum over the line of p
 //   dp = dq * inv + ds,  ds = -inv^2 * sum_line(dq * p)  (0 where s was clamped)
 // and the shift: dx = dp0 * p0, with -sum(dp0 * p0) shared out over the maxima (amax's rule).
@@ -332,54 +340,47 @@ void sinkhorn_backward(int64_t B, int64_t n_, int64_t iterations, const F* x, co
   const int64_t n = NN ? NN : n_, nn = n * n, steps = 2 * iterations, chunks = (B + L - 1) / L;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<F> xs(nn * L), ps((steps + 1) * nn * L), invs(steps * n * L), lives(steps * n * L), dp(nn * L),
-        m(L);
+    std::vector<lanes<F>> xs(nn), ps((steps + 1) * nn), invs(steps * n), lives(steps * n), dp(nn);
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t b0 = k * L, count = B - b0 < L ? B - b0 : L;
-      load_chunk(x + b0 * nn, nn, count, xs.data());
-      for (int64_t e = 0; e < nn * L; ++e) ps[e] = xs[e];
-      shifted_exp(ps.data(), nn, m.data());
+      load_chunk<F>(x + b0 * nn, nn, count, xs.data());
+      for (int64_t e = 0; e < nn; ++e) ps[e] = xs[e];
+      const lanes<F> m = shifted_exp<F>(ps.data(), nn);
       for (int64_t s = 0; s < steps; ++s) {
-        F* next = ps.data() + (s + 1) * nn * L;
-        for (int64_t e = 0; e < nn * L; ++e) next[e] = ps[s * nn * L + e];
-        normalize<F, NN>(next, n, int(s % 2), invs.data() + s * n * L, lives.data() + s * n * L);
+        lanes<F>* next = ps.data() + (s + 1) * nn;
+        for (int64_t e = 0; e < nn; ++e) next[e] = ps[s * nn + e];
+        normalize<F, NN>(next, n, int(s % 2), invs.data() + s * n, lives.data() + s * n);
       }
-      load_chunk(gp + b0 * nn, nn, count, dp.data());
+      load_chunk<F>(gp + b0 * nn, nn, count, dp.data());
+      const lanes<F> zero = {};
       for (int64_t s = steps - 1; s >= 0; --s) {
         const int col = int(s % 2);
-        const F* p = ps.data() + s * nn * L;  // the half step's input
-        const F* inv = invs.data() + s * n * L;
-        const F* live = lives.data() + s * n * L;
+        const lanes<F>* p = ps.data() + s * nn;  // the half step's input
+        const lanes<F>* inv = invs.data() + s * n;
+        const lanes<F>* live = lives.data() + s * n;
         for (int64_t i = 0; i < n; ++i) {
-          F acc[L] = {};
+          lanes<F> acc = {};
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t e = (col ? j * n + i : i * n + j) * L;
-            for (int l = 0; l < L; ++l) acc[l] += dp[e + l] * p[e + l];
+            const int64_t e = col ? j * n + i : i * n + j;
+            acc += dp[e] * p[e];
           }
-          F dsum[L];
-          for (int l = 0; l < L; ++l) {
-            const F r = inv[i * L + l];
-            dsum[l] = live[i * L + l] != F(0) ? -r * r * acc[l] : F(0);
-          }
+          const lanes<F> dsum = live[i] != zero ? -inv[i] * inv[i] * acc : zero;
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t e = (col ? j * n + i : i * n + j) * L;
-            for (int l = 0; l < L; ++l) dp[e + l] = dp[e + l] * inv[i * L + l] + dsum[l];
+            const int64_t e = col ? j * n + i : i * n + j;
+            dp[e] = dp[e] * inv[i] + dsum;
           }
         }
       }
-      F total[L] = {}, maxima[L] = {};
-      for (int64_t e = 0; e < nn; ++e)
-        for (int l = 0; l < L; ++l) {
-          dp[e * L + l] *= ps[e * L + l];
-          total[l] += dp[e * L + l];
-          maxima[l] += xs[e * L + l] == m[l] ? F(1) : F(0);
-        }
-      for (int64_t l = 0; l < count; ++l) {
-        const F share = -total[l] / maxima[l];
-        for (int64_t e = 0; e < nn; ++e)
-          dx[(b0 + l) * nn + e] = dp[e * L + l] + (xs[e * L + l] == m[l] ? share : F(0));
+      lanes<F> total = {}, maxima = {};
+      for (int64_t e = 0; e < nn; ++e) {
+        dp[e] *= ps[e];
+        total += dp[e];
+        maxima += xs[e] == m ? lanes<F>{} + F(1) : zero;
       }
+      const lanes<F> share = -total / maxima;
+      for (int64_t e = 0; e < nn; ++e) dp[e] += xs[e] == m ? share : zero;
+      store_chunk<F>(dp.data(), nn, count, dx + b0 * nn);
     }
   }
 }
