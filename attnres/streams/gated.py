@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops import RMSNormFunction, rms_norm_project
+from ..ops import rms_norm_project
 from .base import MultiStream, Trace, record_rms
 
 
@@ -62,9 +62,9 @@ class GatedResidualStream(MultiStream):
         return super().no_weight_decay() | {"branch_gains"}
 
     def _normalized(self, R: torch.Tensor, site: int) -> torch.Tensor:
-        """``Rhat`` ``[..., n_r, D]``: each branch through RMSNorm with the gain ``1 + w``, as one
-        autograd op that keeps only ``R`` and the inverse RMS (``ops.RMSNormFunction``)."""
-        return RMSNormFunction.apply(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
+        """``Rhat`` ``[..., n_r, D]``: each branch through RMSNorm with the gain ``1 + w``, on the
+        backend's ``rms_norm`` (one op that keeps only ``R`` and the inverse RMS)."""
+        return self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
 
     def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
         """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``."""

@@ -116,6 +116,12 @@ class BackendOps:
         Gradients flow to both."""
         raise NotImplementedError
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        """``ops.rms_norm``: each row ``[..., D]`` of ``x`` over its ``D`` numbers, times the gain
+        ``weight`` ``[D]`` (same dtype), in ``x``'s dtype (GR's per-branch norm, over
+        ``[..., n, D]``). Gradients flow to both."""
+        raise NotImplementedError
+
     def sinkhorn(self, logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
         """``ops.sinkhorn``: ``exp(logits)`` ``[..., n, n]`` made (nearly) doubly stochastic by
         ``iterations`` row-then-column normalizations, in the logits' dtype (computed in fp32,

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..rmsnorm import RMSNormFunction
 from ..sinkhorn import sinkhorn
 from ..source_ledger import DeferredRead, tracked
 from . import cpu_streams
@@ -857,6 +858,11 @@ class CpuOps(KeyStatisticsOps):
         if torch.compiler.is_compiling():
             return gated_mix_naive(R, z)
         return cpu_streams.gated_mix(R, z)
+
+    def rms_norm(self, x, weight, eps=1e-6):
+        if torch.compiler.is_compiling():
+            return RMSNormFunction.apply(x, weight, eps)
+        return cpu_streams.rms_norm(x, weight, eps)
 
     def sinkhorn(self, logits, iterations=20):
         if torch.compiler.is_compiling():

@@ -1,7 +1,7 @@
 """The multi-stream designs' per-token work on the CPU kernels (``csrc/multi_stream_cpu.cpp``):
-the mix of a read (weighted, or gated elementwise as GR's), the update of a write and
-Sinkhorn-Knopp, each forward and backward one pass
-over the tokens (or the matrices).
+the mix of a read (weighted, or gated elementwise as GR's), the update of a write,
+Sinkhorn-Knopp and GR's per-branch RMSNorm, each forward and backward one pass over the tokens
+(or the matrices).
 
 Each is an autograd function keeping only its inputs: the mix and the update form their
 gradients from ``H``, the weights and ``v``; Sinkhorn's backward runs the iterations again per
@@ -33,6 +33,8 @@ _SIGNATURES = {
     "stream_update_backward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 7 + [_I32],
     "gated_mix_forward": [_I64] * 3 + [_PTR] * 3 + [_I32],
     "gated_mix_backward": [_I64] * 3 + [_PTR] * 5 + [_I32],
+    "rms_norm_forward": [_I64] * 2 + [_PTR] * 2 + [ctypes.c_double] + [_PTR] * 2 + [_I32],
+    "rms_norm_backward": [_I64] * 2 + [_PTR] * 6 + [_I32],
     "sinkhorn_forward": [_I64] * 3 + [_PTR, _PTR, _I32],
     "sinkhorn_backward": [_I64] * 3 + [_PTR] * 3 + [_I32],
 }
@@ -154,6 +156,34 @@ class GatedMixFunction(torch.autograd.Function):
         return dR, dz
 
 
+class RMSNormRowsFunction(torch.autograd.Function):
+    """``ops.rms_norm`` of rows ``x`` ``[..., D]`` with the gain ``weight`` ``[D]``, one pass over
+    ``x`` per direction where PyTorch's ops make several over ``[..., D]`` memory (GR normalizes
+    every branch, ``[..., n, D]``, at every site). Keeps ``x`` and one inverse RMS per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x, weight = x.contiguous(), weight.contiguous()
+        D = x.shape[-1]
+        y = torch.empty_like(x)
+        rr = torch.empty(x.shape[:-1], dtype=x.dtype)
+        _kernel("rms_norm_forward", x.dtype)(x.numel() // D, D, _ptr(x), _ptr(weight), float(eps), _ptr(y), _ptr(rr),
+                                             _threads())
+        ctx.save_for_backward(x, weight, rr)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, weight, rr = ctx.saved_tensors
+        D = x.shape[-1]
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        _kernel("rms_norm_backward", x.dtype)(x.numel() // D, D, _ptr(x), _ptr(weight), _ptr(rr), _ptr(g.contiguous()),
+                                              _ptr(dx), _ptr(dw), _threads())
+        return dx, dw, None
+
+
 class SinkhornFunction(torch.autograd.Function):
     """``ops.sinkhorn`` of fp32 or fp64 logits ``[..., n, n]``, in their dtype."""
 
@@ -188,6 +218,10 @@ def stream_update(H: Tensor, A: Tensor | None, b: Tensor, v: Tensor, transposed:
 
 def gated_mix(R: Tensor, z: Tensor) -> Tensor:
     return GatedMixFunction.apply(R, z)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return RMSNormRowsFunction.apply(x, weight, eps)
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:

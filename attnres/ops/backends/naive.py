@@ -188,6 +188,9 @@ class NaiveOps(BackendOps):
     def gated_mix(self, R, z):
         return gated_mix_naive(R, z)
 
+    def rms_norm(self, x, weight, eps=1e-6):
+        return rms_norm(x, weight, eps)
+
     def sinkhorn(self, logits, iterations=20):
         return sinkhorn(logits, iterations)
 

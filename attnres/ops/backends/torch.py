@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rmsnorm import rms_norm_backward, rms_norm_forward
+from ..rmsnorm import RMSNormFunction, rms_norm_backward, rms_norm_forward
 from ..sinkhorn import sinkhorn
 from .common import (
     KeyStatisticsOps,
@@ -405,6 +405,9 @@ class TorchOps(KeyStatisticsOps):
 
     def gated_mix(self, R, z):
         return gated_mix_naive(R, z)
+
+    def rms_norm(self, x, weight, eps=1e-6):
+        return RMSNormFunction.apply(x, weight, eps)
 
     def sinkhorn(self, logits, iterations=20):
         return sinkhorn(logits, iterations)

@@ -340,6 +340,10 @@ class TritonOps(BackendOps):
             return gated_mix_naive(R, z)
         return triton_streams.gated_mix(R, z)
 
+    def rms_norm(self, x, weight, eps=1e-6):
+        # PyTorch's ops (RMSNormFunction's one-pass backward), not a Triton kernel
+        return RMSNormFunction.apply(x, weight, eps)
+
     def sinkhorn(self, logits, iterations=20):
         if torch.compiler.is_compiling():
             return sinkhorn(logits, iterations)

@@ -385,6 +385,57 @@ void sinkhorn_backward(int64_t B, int64_t n_, int64_t iterations, const F* x, co
   }
 }
 
+// RMSNorm of rows with a gain (GR's per-branch norm), in F, one pass per direction:
+//   rr = 1 / sqrt(mean_d x[d]^2 + eps);  y = (x rr) w
+// backward, with xn = x rr and dxn = dy w:
+//   dx = (dxn - xn mean_d(dxn xn)) rr;  dw = sum over the rows of dy xn
+// dw is summed per thread over its rows (a static split), then over the threads in order.
+template <typename F>
+void rms_norm_forward(int64_t rows, int64_t D, const F* x, const F* w, F eps, F* y, F* rr, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const F* xr = x + r * D;
+    const F q = F(1) / std::sqrt(dot(xr, xr, D) / F(D) + eps);
+    rr[r] = q;
+    F* yr = y + r * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * q * w[d];
+  }
+}
+
+template <typename F>
+void rms_norm_backward(int64_t rows, int64_t D, const F* x, const F* w, const F* rr, const F* dy, F* dx, F* dw,
+                       int threads) {
+  std::vector<F> partial(dw ? threads * D : 0, F(0));
+#pragma omp parallel num_threads(threads)
+  {
+    F* acc = dw ? partial.data() + omp_get_thread_num() * D : nullptr;
+    std::vector<F> xn(D), dxn(D);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const F q = rr[r];
+      const F* xr = x + r * D;
+      const F* g = dy + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        xn[d] = xr[d] * q;
+        dxn[d] = g[d] * w[d];
+      }
+      if (acc)
+        for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * xn[d];
+      if (dx) {
+        const F m = dot(dxn.data(), xn.data(), D) / F(D);
+        F* o = dx + r * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = (dxn[d] - xn[d] * m) * q;
+      }
+    }
+  }
+  if (dw)
+    for (int64_t d = 0; d < D; ++d) {
+      F sum = 0;
+      for (int t = 0; t < threads; ++t) sum += partial[t * D + d];
+      dw[d] = sum;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -420,6 +471,14 @@ extern "C" {
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
     with_side(n, [&](auto NN) { sinkhorn_forward<F, decltype(NN)::value>(B, n, iterations, x, p, threads); });                  \
+  }                                                                                                              \
+  void attnres_rms_norm_forward_##SUFFIX(int64_t rows, int64_t D, const F* x, const F* w, double eps, F* y,     \
+                                         F* rr, int threads) {                                                   \
+    rms_norm_forward<F>(rows, D, x, w, F(eps), y, rr, threads);                                                  \
+  }                                                                                                              \
+  void attnres_rms_norm_backward_##SUFFIX(int64_t rows, int64_t D, const F* x, const F* w, const F* rr,         \
+                                          const F* dy, F* dx, F* dw, int threads) {                              \
+    rms_norm_backward<F>(rows, D, x, w, rr, dy, dx, dw, threads);                                                \
   }                                                                                                              \
   void attnres_sinkhorn_backward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp,    \
                                           F* dx, int threads) {                                                  \
