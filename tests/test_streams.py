@@ -268,9 +268,10 @@ def test_hc_static_weights_pick_stream_and_mix():
         hc.write_static[0] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     H = torch.randn(2, 3, D, dtype=torch.float64)
     v = torch.randn(2, D, dtype=torch.float64)
-    x = hc.read(H, 0)
+    state = hc.join_state((), (H,), 0)  # the streams H before sublayer 0
+    x = hc.read(state, 0)
     torch.testing.assert_close(x, rms_norm(0.5 * H[:, 1] + 0.5 * H[:, 2], hc.norms[0].weight))
-    H2 = hc.write(H, 0, v)
+    H2 = hc.write(state, 0, v).H
     torch.testing.assert_close(H2[:, 0], H[:, 1] + v)
     torch.testing.assert_close(H2[:, 1], H[:, 0] + 2 * v)
     torch.testing.assert_close(H2[:, 2], H[:, 2] + 3 * v)
@@ -294,11 +295,25 @@ def test_mhc_mixing_matrix_is_doubly_stochastic_for_random_inputs():
 def test_mhc_at_init_reads_the_stream_average():
     mhc = build_stream("mhc", dim=D, num_sublayers=M, streams=4)
     H = torch.randn(5, 4, D)
-    torch.testing.assert_close(mhc.read(H, 2), rms_norm(H.mean(-2), mhc.norms[2].weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mhc.read(mhc.join_state((), (H,), 2), 2), rms_norm(H.mean(-2), mhc.norms[2].weight),
+                               atol=1e-5, rtol=1e-5)
     v = torch.randn(5, D)
     e = torch.randn(5, D)
     Hs = mhc.init(e)
-    torch.testing.assert_close(mhc.write(Hs, 0, v), (e + v).unsqueeze(-2).expand(5, 4, D), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mhc.write(Hs, 0, v).H, (e + v).unsqueeze(-2).expand(5, 4, D), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["hc", "mhc"])
+def test_hc_and_mhc_carry_the_next_sites_projections_and_refuse_bare_streams(kind):
+    """The state after a write holds the next site's projections of its streams, equal to
+    projecting them afresh; a bare tensor of streams is refused, not unpacked along its first dim."""
+    stream = randomized(build_stream(kind, dim=D, num_sublayers=M, streams=2))
+    e = torch.randn(2, 5, D)
+    state = stream.write(stream.init(e), 0, torch.randn(2, 5, D))
+    torch.testing.assert_close(state.projected, stream.join_state((), (state.H,), 1).projected)
+    assert stream.join_state((), (state.H,), M).projected is None  # nothing to project before the output
+    with pytest.raises(TypeError, match=f"{kind} stream: its state is the ProjectedStreams"):
+        stream.read(state.H, 1)
 
 
 def test_gr_is_the_branch_average_when_gates_are_one():

@@ -139,8 +139,8 @@ class Stream(nn.Module):
     def split_state(self, state: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """``(completed, rest)``: the completed sources ``state`` holds, in the order they were
         completed, and the rest of it, all tensors: what a pipeline stage sends to the next
-        (``join_state`` rebuilds the state there). A state that is a plain tensor (PreNorm's
-        running sum, the streams of HC/mHC/GR) has no completed source: it is all the rest."""
+        (``join_state`` rebuilds the state there). A state without completed sources (PreNorm's
+        running sum, the streams of HC/mHC/GR) is all the rest."""
         return (), (state,)
 
     def join_state(self, completed: tuple[torch.Tensor, ...], rest: tuple[torch.Tensor, ...], i: int) -> Any:
@@ -308,6 +308,52 @@ class MultiStream(Stream):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, streams={self.streams}, backend={self.backend}"
+
+
+class ProjectedStreams(NamedTuple):
+    """The state of a multi-stream design whose read and write of a site both take projections
+    of the same streams (HC, mHC): the streams ``H`` ``[..., n, D]`` and ``projected``, every
+    column that the read and the write of the site that takes ``H`` next project (one product,
+    formed by the write that made ``H``, or by ``init``); None before the output."""
+
+    H: torch.Tensor
+    projected: torch.Tensor | None
+
+
+class CarriesProjections:
+    """The state methods of a multi-stream design whose state is ``ProjectedStreams``; mixed in
+    before ``MultiStream``. The design gives ``_project(H, site)``. One product per site in
+    place of one for the read and another for the write: the two skinny products ran at half
+    the speed of one as wide as both together (docs/BENCHMARKS.md). Across a pipeline stage
+    only ``H`` travels; the receiving stage projects it again."""
+
+    def _project(self, H: torch.Tensor, site: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _state(self, state: Any) -> ProjectedStreams:
+        """``state``, refused (``TypeError``) unless it is a ``ProjectedStreams`` (a bare tensor of
+        streams would unpack along its first dim)."""
+        if type(state) is not ProjectedStreams:
+            raise TypeError(f"{self.kind} stream: its state is the ProjectedStreams that init, write and join_state "
+                            f"make, given {type(state).__name__}; from streams H [..., n, D] before sublayer i: "
+                            f"join_state((), (H,), i)")
+        return state
+
+    def _carry(self, H: torch.Tensor, site: int) -> ProjectedStreams:
+        """The state holding ``H`` before ``site`` (``num_sublayers``: the output)."""
+        return ProjectedStreams(H, self._project(H, site) if site < self.num_sublayers else None)
+
+    def _init(self, e: torch.Tensor) -> ProjectedStreams:
+        return self._carry(super()._init(e), 0)
+
+    def _hidden(self, state: ProjectedStreams) -> tuple[torch.Size, torch.device]:
+        return super()._hidden(self._state(state).H)
+
+    def split_state(self, state: ProjectedStreams):
+        return (), (self._state(state).H,)
+
+    def _join_state(self, completed, rest, i: int) -> ProjectedStreams:
+        return self._carry(super()._join_state(completed, rest, i), i)
 
 
 def refuse_index(who: str, num_sublayers: int, i: Any, operation: str) -> NoReturn:

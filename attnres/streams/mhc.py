@@ -1,13 +1,15 @@
 """Manifold-constrained Hyper-Connections, mHC (docs/METHOD.md section 7).
 
-stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``.
+stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``, and the next
+        site's projections ``u Phi`` (``base.ProjectedStreams``).
 reads:  ``RMSNorm_{g_i}(sum_k Hpre[k] H_k)``, ``Hpre = sigmoid(a_pre (u Phi_pre) + b_pre)``.
 writes: ``H' = Hres @ H + Hpost^T v`` with ``Hpost = 2 sigmoid(a_post (u Phi_post) + b_post)`` and
         ``Hres = Sinkhorn(exp(a_res mat(u Phi_res) + b_res))``, doubly stochastic;
         ``u = RMSNorm(vec(H))`` over all ``n * D`` values (no gain).
 
-The three projections of one site are stored side by side in ``proj`` ``[M, n*D, 2n + n^2]``
-(one matmul per site). Init: ``Phi = 0``, ``a = 0.01``, biases giving ``Hpre = 1/n`` (the stream
+The three projections of one site are stored side by side in ``proj`` ``[M, n*D, 2n + n^2]``:
+one product per site, formed by the write before it (``init`` for site 0) and carried in the
+state with the streams (``base.ProjectedStreams``). Init: ``Phi = 0``, ``a = 0.01``, biases giving ``Hpre = 1/n`` (the stream
 average), ``Hpost = 1`` and ``Hres`` diagonal-dominant (diagonal logit 2). Output: the stream average, then the final norm.
 """
 
@@ -19,10 +21,10 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm_project
-from .base import MultiStream, Trace
+from .base import CarriesProjections, MultiStream, ProjectedStreams, Trace
 
 
-class ManifoldHyperConnectionStream(MultiStream):
+class ManifoldHyperConnectionStream(CarriesProjections, MultiStream):
     kind = "mhc"
 
     def __init__(
@@ -63,36 +65,38 @@ class ManifoldHyperConnectionStream(MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"bias", "scales"}
 
-    def _projected(self, H: torch.Tensor, i: int, start: int, stop: int | None) -> torch.Tensor:
-        """``u Phi`` ``[..., stop - start]``: the columns ``start:stop`` of site ``i``'s
-        projections of ``u = RMSNorm(vec(H))``, without forming ``u`` (``ops.rms_norm_project``)."""
-        return rms_norm_project(H.flatten(-2), self.proj[i][:, start:stop], self.eps)
+    def _project(self, H: torch.Tensor, site: int) -> torch.Tensor:
+        """``u [Phi_pre | Phi_post | Phi_res]`` ``[..., 2n + n^2]`` of ``site``, without forming
+        ``u = RMSNorm(vec(H))`` (``ops.rms_norm_project``)."""
+        return rms_norm_project(H.flatten(-2), self.proj[site], self.eps)
 
-    def _write_logits(self, H: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Site ``i``'s pre-activation logits of ``Hpost`` ``[..., n]`` and ``Hres`` ``[..., n, n]``."""
+    def _write_logits(self, projected: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Site ``i``'s pre-activation logits of ``Hpost`` ``[..., n]`` and ``Hres`` ``[..., n, n]``
+        from its projections."""
         n = self.streams
-        post, res = self._projected(H, i, n, None).split([n, n * n], dim=-1)
+        post, res = projected[..., n:].split([n, n * n], dim=-1)
         b_post, b_res = self.bias[i, n:].split([n, n * n])
         return self.scales[i, 1] * post + b_post, (self.scales[i, 2] * res + b_res).unflatten(-1, (n, n))
 
     def mixing_matrix(self, H: torch.Tensor, i: int) -> torch.Tensor:
-        """``Hres`` ``[..., n, n]`` of site ``i``: doubly stochastic."""
-        return self._ops(H).sinkhorn(self._write_logits(H, i)[1], self.sinkhorn_iterations)
+        """``Hres`` ``[..., n, n]`` of site ``i`` for the streams ``H`` ``[..., n, D]``: doubly
+        stochastic."""
+        return self._ops(H).sinkhorn(self._write_logits(self._project(H, i), i)[1], self.sinkhorn_iterations)
 
-    def _read(self, H: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
+    def _read(self, state: ProjectedStreams, i: int, trace: Trace | None) -> torch.Tensor:
+        H, projected = self._state(state)
         n = self.streams
-        h_pre = torch.sigmoid(self.scales[i, 0] * self._projected(H, i, 0, n) + self.bias[i, :n])  # [..., n]
+        h_pre = torch.sigmoid(self.scales[i, 0] * projected[..., :n] + self.bias[i, :n])  # [..., n]
         return self._finish_read(i, self._ops(H).stream_mix(H, h_pre.to(H.dtype)), trace)
 
-    def _write(self, H: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
-        # The logits are recomputed rather than carried from read (one small matmul per token)
-        # so that the state stays a plain tensor.
-        post, res = self._write_logits(H, i)
+    def _write(self, state: ProjectedStreams, i: int, v: torch.Tensor) -> ProjectedStreams:
+        H, projected = self._state(state)
+        post, res = self._write_logits(projected, i)
         h_post = 2 * torch.sigmoid(post)  # [..., n]
         ops = self._ops(H)
         h_res = ops.sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
-        return ops.stream_update(H, h_res.to(H.dtype), h_post.to(H.dtype), v)
+        return self._carry(ops.stream_update(H, h_res.to(H.dtype), h_post.to(H.dtype), v), i + 1)
 
-    def _output(self, H: torch.Tensor, trace: Trace | None) -> torch.Tensor:
-        return self._finish_read(self.num_sublayers, H.mean(-2), trace)
+    def _output(self, state: ProjectedStreams, trace: Trace | None) -> torch.Tensor:
+        return self._finish_read(self.num_sublayers, self._state(state).H.mean(-2), trace)
 
