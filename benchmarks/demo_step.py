@@ -11,6 +11,12 @@ is the time per step from the first logged step (the 10th) to the last.
     python benchmarks/demo_step.py
     python benchmarks/demo_step.py --designs prenorm mhc --rounds 5 --steps 30
     python benchmarks/demo_step.py --designs prenorm block full --compiled --steps 160 --csv demo_step_compiled
+    python benchmarks/demo_step.py --designs prenorm hc mhc gr --revisions 2374d2b --rounds 7
+
+``--revisions REV ...`` also trains every design on the package as it was at each git revision
+(rows ``design@REV``, against ``prenorm@REV`` of the same round), each right after the current
+code's run of that design, and writes the current code against each revision
+(``<csv>_against.csv``: the median and min..max of the per-round ratios now / then).
 
 ``--compiled`` adds each design trained with ``run.compile=true`` (rows ``design+compile``, against
 the eager PreNorm of the round): compilation happens in the first steps and counts, as it does in
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import tempfile
@@ -29,12 +36,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    against_revisions,
+    import_revision,
+    machine,
+    print_table,
+    ratio_to_own_baseline,
+    split_variant,
+    with_revisions,
+    write_csv,
+)
 
-from attnres.train.compare import DESIGNS, design_config  # noqa: E402
-from attnres.train.config import apply_overrides, demo  # noqa: E402
-from attnres.train.data import load_corpus  # noqa: E402
-from attnres.train.trainer import train  # noqa: E402
+import attnres  # noqa: E402
+from attnres.train.compare import DESIGNS  # noqa: E402
+
+
+class Package:
+    """What a run needs from the package at one revision (None: the current code)."""
+
+    def __init__(self, rev: str | None, steps: int, assignments: list[str]):
+        root = attnres if rev is None else import_revision(rev)
+        module = lambda name: importlib.import_module(f"{root.__name__}.train.{name}")  # noqa: E731
+        config, compare = module("config"), module("compare")
+        self.train, self.design_config = module("trainer").train, compare.design_config
+        base = config.demo()
+        base.run = dataclasses.replace(base.run, steps=steps, eval_every=steps, log_every=min(10, steps),
+                                       tensorboard=False, progress=False)
+        self.base = config.apply_overrides(base, assignments)
+        self.corpus = module("data").load_corpus(self.base.data, self.base.model.vocab_size)
 
 
 def steady_step_time(metrics: Path) -> float:
@@ -57,36 +86,36 @@ def main() -> None:
     ap.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="a config override applied to every design (as attnres train --set)")
     ap.add_argument("--compiled", action="store_true", help="also train each design with run.compile=true")
+    ap.add_argument("--revisions", nargs="*", default=[], metavar="REV",
+                    help="also train every design on the package at these git revisions")
     ap.add_argument("--csv", default="demo_step")
     args = ap.parse_args()
     if "prenorm" not in args.designs:
         args.designs.insert(0, "prenorm")
-
-    base = demo()
-    base.run = dataclasses.replace(base.run, steps=args.steps, eval_every=args.steps, log_every=min(10, args.steps),
-                                   tensorboard=False, progress=False)
-    base = apply_overrides(base, args.assignments)
-    corpus = load_corpus(base.data, base.model.vocab_size)
+    packages = {rev: Package(rev, args.steps, args.assignments) for rev in [None, *args.revisions]}
     print(f"{machine()}; {args.rounds} rounds of {args.steps} steps")
 
-    variants = [(d, False) for d in args.designs] + [(d, True) for d in args.designs if args.compiled]
+    variants = [(d, False) for d in with_revisions(args.designs, args.revisions)]
+    variants += [(d, True) for d in args.designs if args.compiled]
     labels = [d + ("+compile" if compiled else "") for d, compiled in variants]
     times: dict[str, list[float]] = {label: [] for label in labels}
     later: dict[str, list[float]] = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for label, (design, compiled) in zip(labels, variants):
-                cfg = dataclasses.replace(base, model=design_config(base.model, design))
+            for label, (variant, compiled) in zip(labels, variants):
+                design, rev = split_variant(variant)
+                package = packages[rev]
+                cfg = dataclasses.replace(package.base, model=package.design_config(package.base.model, design))
                 if compiled:
                     torch._dynamo.reset()  # a fresh process's compile, not a cached graph of an earlier run
                     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile=True))
-                summary = train(cfg, Path(tmp) / f"{label}-{r}", corpus=corpus).summary
+                summary = package.train(cfg, Path(tmp) / f"{label}-{r}", corpus=package.corpus).summary
                 times[label].append(summary["step_time_s"])
                 later[label].append(steady_step_time(Path(tmp) / f"{label}-{r}" / "metrics.jsonl"))
                 print(f"round {r} {label}: {summary['step_time_s'] * 1e3:.1f} ms per step, "
                       f"{later[label][-1] * 1e3:.1f} ms after the first log", flush=True)
 
-    summary, steady = ratio_summary(times, "prenorm"), ratio_summary(later, "prenorm")
+    summary, steady = ratio_to_own_baseline(times, "prenorm"), ratio_to_own_baseline(later, "prenorm")
     rows = [dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
                  ratio_min=summary[d]["ratio_min"], ratio_max=summary[d]["ratio_max"],
                  later_ms=steady[d]["median_s"] * 1e3, later_ratio=steady[d]["ratio"],
@@ -94,6 +123,10 @@ def main() -> None:
             for d in labels]
     print_table(rows, ["design", "median_ms", "ratio", "ratio_min", "ratio_max", "later_ms", "later_ratio"])
     print(f"wrote {write_csv(args.csv, rows)}")
+    if args.revisions:
+        compared = against_revisions({"step_time_s": times})
+        print_table(compared, list(compared[0]))
+        print(f"wrote {write_csv(f'{args.csv}_against', compared)}")
 
 
 if __name__ == "__main__":
