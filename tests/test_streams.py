@@ -303,16 +303,18 @@ def test_mhc_at_init_reads_the_stream_average():
     torch.testing.assert_close(mhc.write(Hs, 0, v).H, (e + v).unsqueeze(-2).expand(5, 4, D), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["hc", "mhc"])
-def test_hc_and_mhc_carry_the_next_sites_projections_and_refuse_bare_streams(kind):
-    """The state after a write holds the next site's projections of its streams, equal to
-    projecting them afresh; a bare tensor of streams is refused, not unpacked along its first dim."""
+@pytest.mark.parametrize("kind", ["hc", "mhc", "gr"])
+def test_multi_stream_states_carry_what_the_next_site_needs_and_refuse_bare_streams(kind):
+    """The state after a write holds what the next site needs from its streams (HC's and mHC's
+    projections, GR's normalized branches), equal to preparing them afresh; a bare tensor of
+    streams is refused, not unpacked along its first dim."""
     stream = randomized(build_stream(kind, dim=D, num_sublayers=M, streams=2))
     e = torch.randn(2, 5, D)
     state = stream.write(stream.init(e), 0, torch.randn(2, 5, D))
-    torch.testing.assert_close(state.projected, stream.join_state((), (state.H,), 1).projected)
-    assert stream.join_state((), (state.H,), M).projected is None  # nothing to project before the output
-    with pytest.raises(TypeError, match=f"{kind} stream: its state is the ProjectedStreams"):
+    torch.testing.assert_close(state.prepared, stream.join_state((), (state.H,), 1).prepared)
+    before_output = stream.join_state((), (state.H,), M).prepared
+    assert (before_output is None) == (kind != "gr")  # GR's output reads its normalized branches
+    with pytest.raises(TypeError, match=f"{kind} stream: its state is the PreparedStreams"):
         stream.read(state.H, 1)
 
 
@@ -329,18 +331,19 @@ def test_gr_read_and_write_follow_spec():
     rhat = R / torch.sqrt((R**2).mean(-1, keepdim=True) + 1e-6) * (1 + gr.branch_gains[i])
     flat = rhat.reshape(2, 3 * D) / 3
     G = torch.sigmoid(torch.nn.functional.silu(flat @ gr.gate_down[i].T) @ gr.gate_up[i].T).reshape(2, 3, D)
-    torch.testing.assert_close(gr.read(R, i), (G * rhat).mean(1))
+    state = gr.join_state((), (R,), i)  # the branches R before sublayer i
+    torch.testing.assert_close(gr.read(state, i), (G * rhat).mean(1))
     s = 2 * torch.sigmoid(flat @ gr.inject[i].T)
-    torch.testing.assert_close(gr.write(R, i, v), R + s[..., None] * v[:, None, :])
+    torch.testing.assert_close(gr.write(state, i, v).H, R + s[..., None] * v[:, None, :])
 
 
 def test_gr_init_gates_are_half_and_writes_are_one():
     gr = build_stream("gr", dim=D, num_sublayers=M, streams=2)
     e = torch.randn(3, D)
-    R = gr.init(e)
-    torch.testing.assert_close(gr.read(R, 0), 0.5 * rms_norm(e))
+    state = gr.init(e)
+    torch.testing.assert_close(gr.read(state, 0), 0.5 * rms_norm(e))
     v = torch.randn(3, D)
-    torch.testing.assert_close(gr.write(R, 0, v), (e + v).unsqueeze(1).expand(3, 2, D))
+    torch.testing.assert_close(gr.write(state, 0, v).H, (e + v).unsqueeze(1).expand(3, 2, D))
 
 
 def test_delta_at_init_reads_exactly_like_prenorm():

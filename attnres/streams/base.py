@@ -310,49 +310,51 @@ class MultiStream(Stream):
         return f"{super().extra_repr()}, streams={self.streams}, backend={self.backend}"
 
 
-class ProjectedStreams(NamedTuple):
-    """The state of a multi-stream design whose read and write of a site both take projections
-    of the same streams (HC, mHC): the streams ``H`` ``[..., n, D]`` and ``projected``, every
-    column that the read and the write of the site that takes ``H`` next project (one product,
-    formed by the write that made ``H``, or by ``init``); None before the output."""
+class PreparedStreams(NamedTuple):
+    """The state of a multi-stream design whose read and write of a site both take something
+    computed from the same streams: the streams ``H`` ``[..., n, D]`` and ``prepared``, what the
+    site that takes ``H`` next needs from them (HC's and mHC's projections, every column of its
+    read and its write in one product; GR's normalized branches), formed once by the write that
+    made ``H`` (or by ``init``); None where the site needs nothing."""
 
     H: torch.Tensor
-    projected: torch.Tensor | None
+    prepared: torch.Tensor | None
 
 
-class CarriesProjections:
-    """The state methods of a multi-stream design whose state is ``ProjectedStreams``; mixed in
-    before ``MultiStream``. The design gives ``_project(H, site)``. One product per site in
-    place of one for the read and another for the write: the two skinny products ran at half
-    the speed of one as wide as both together (docs/BENCHMARKS.md). Across a pipeline stage
-    only ``H`` travels; the receiving stage projects it again."""
+class PreparesNextSite:
+    """The state methods of a multi-stream design whose state is ``PreparedStreams``; mixed in
+    before ``MultiStream``. The design gives ``_prepare(H, site)``. Formed once per site in place
+    of once by the read and again by the write: two skinny products ran at half the speed of
+    one as wide as both together (docs/BENCHMARKS.md). Across a pipeline stage only ``H``
+    travels; the receiving stage prepares it again."""
 
-    def _project(self, H: torch.Tensor, site: int) -> torch.Tensor:
+    def _prepare(self, H: torch.Tensor, site: int) -> torch.Tensor | None:
+        """What site ``site`` (``num_sublayers``: the output) needs from the streams ``H``."""
         raise NotImplementedError
 
-    def _state(self, state: Any) -> ProjectedStreams:
-        """``state``, refused (``TypeError``) unless it is a ``ProjectedStreams`` (a bare tensor of
+    def _state(self, state: Any) -> PreparedStreams:
+        """``state``, refused (``TypeError``) unless it is a ``PreparedStreams`` (a bare tensor of
         streams would unpack along its first dim)."""
-        if type(state) is not ProjectedStreams:
-            raise TypeError(f"{self.kind} stream: its state is the ProjectedStreams that init, write and join_state "
+        if type(state) is not PreparedStreams:
+            raise TypeError(f"{self.kind} stream: its state is the PreparedStreams that init, write and join_state "
                             f"make, given {type(state).__name__}; from streams H [..., n, D] before sublayer i: "
                             f"join_state((), (H,), i)")
         return state
 
-    def _carry(self, H: torch.Tensor, site: int) -> ProjectedStreams:
+    def _carry(self, H: torch.Tensor, site: int) -> PreparedStreams:
         """The state holding ``H`` before ``site`` (``num_sublayers``: the output)."""
-        return ProjectedStreams(H, self._project(H, site) if site < self.num_sublayers else None)
+        return PreparedStreams(H, self._prepare(H, site))
 
-    def _init(self, e: torch.Tensor) -> ProjectedStreams:
+    def _init(self, e: torch.Tensor) -> PreparedStreams:
         return self._carry(super()._init(e), 0)
 
-    def _hidden(self, state: ProjectedStreams) -> tuple[torch.Size, torch.device]:
+    def _hidden(self, state: PreparedStreams) -> tuple[torch.Size, torch.device]:
         return super()._hidden(self._state(state).H)
 
-    def split_state(self, state: ProjectedStreams):
+    def split_state(self, state: PreparedStreams):
         return (), (self._state(state).H,)
 
-    def _join_state(self, completed, rest, i: int) -> ProjectedStreams:
+    def _join_state(self, completed, rest, i: int) -> PreparedStreams:
         return self._carry(super()._join_state(completed, rest, i), i)
 
 

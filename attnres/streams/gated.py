@@ -1,6 +1,7 @@
 """Gated Residual, GR (docs/METHOD.md section 8).
 
-stores: ``n_r`` branches ``R`` ``[..., n_r, D]``, each starting as a copy of ``e``.
+stores: ``n_r`` branches ``R`` ``[..., n_r, D]``, each starting as a copy of ``e``, and the next
+        site's ``Rhat`` (``base.PreparedStreams``).
 reads:  ``mean_k(G_k * Rhat_k)`` where ``Rhat`` is a per-branch RMSNorm with zero-centred gain
         (``x * (1 + w)``) and ``G = sigmoid(W_up SiLU(W_down vec(Rhat) / n_r))`` are elementwise
         gates. GR replaces the pre-norm: the read is not normalized again.
@@ -16,8 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops import rms_norm_project
-from .base import MultiStream, Trace, record_rms
+from .base import MultiStream, PreparedStreams, PreparesNextSite, Trace, record_rms
 
 
 def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,7 @@ def gated_branch_mix(rhat: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return (gates * rhat).mean(-2)
 
 
-class GatedResidualStream(MultiStream):
+class GatedResidualStream(PreparesNextSite, MultiStream):
     kind = "gr"
     config_names = {"rank": "gr_rank"}
 
@@ -61,9 +61,10 @@ class GatedResidualStream(MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"branch_gains"}
 
-    def _normalized(self, R: torch.Tensor, site: int) -> torch.Tensor:
-        """``Rhat`` ``[..., n_r, D]``: each branch through RMSNorm with the gain ``1 + w``, on the
-        backend's ``rms_norm`` (one op that keeps only ``R`` and the inverse RMS)."""
+    def _prepare(self, R: torch.Tensor, site: int) -> torch.Tensor:
+        """``Rhat`` ``[..., n_r, D]`` of ``site`` (``M``: the output): each branch through RMSNorm
+        with the gain ``1 + w``, on the backend's ``rms_norm`` (one op that keeps only ``R`` and
+        the inverse RMS). The read and the write of the site both take it."""
         return self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
 
     def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
@@ -76,28 +77,24 @@ class GatedResidualStream(MultiStream):
         """Elementwise gates ``G`` ``[..., n_r, D]`` of ``site`` from ``Rhat`` ``[..., n_r, D]``."""
         return torch.sigmoid(self.gate_logits(rhat, site))
 
-    def _gated_read(self, R: torch.Tensor, site: int, trace: Trace | None) -> torch.Tensor:
+    def _gated_read(self, state: PreparedStreams, site: int, trace: Trace | None) -> torch.Tensor:
+        R, rhat = self._state(state)
         record_rms(site, R.mean(-2), trace)
-        rhat = self._normalized(R, site)
         # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
         return self._ops(R).gated_mix(rhat, self.gate_logits(rhat, site).to(rhat.dtype))
 
-    def _read(self, R: torch.Tensor, i: int, trace: Trace | None) -> torch.Tensor:
-        return self._gated_read(R, i, trace)
+    def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
+        return self._gated_read(state, i, trace)
 
-    def _write(self, R: torch.Tensor, i: int, v: torch.Tensor) -> torch.Tensor:
-        # W_inject vec(Rhat) without forming Rhat (ops.rms_norm_project, per branch): branch k's
-        # rows of W_inject, scaled by the gain (1 + w_i), as one [D, n_r * n_r] product whose
-        # diagonal blocks (branch k against its own rows) sum to the logits.
-        n = self.streams
-        weight = self.inject[i].unflatten(-1, (n, self.dim)) * (1 + self.branch_gains[i])  # [n_r(j), n_r(k), D]
-        z = rms_norm_project(R, weight.permute(2, 1, 0).flatten(1), self.eps)  # [..., n_r(k), n_r(k') * n_r(j)]
-        z = z.unflatten(-1, (n, n)).diagonal(dim1=-3, dim2=-2).sum(-1) / n  # [..., n_r(j)]
+    def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
+        R, rhat = self._state(state)
+        # W_inject vec(Rhat) / n_r: one [n_r D, n_r] product on the read's Rhat
+        z = (rhat.flatten(-2) @ self.inject[i].T.to(rhat.dtype)) / self.streams  # [..., n_r]
         s = 2 * torch.sigmoid(z)  # [..., n_r]
-        return self._ops(R).stream_update(R, None, s.to(R.dtype), v)  # R + s v
+        return self._carry(self._ops(R).stream_update(R, None, s.to(R.dtype), v), i + 1)  # R + s v
 
-    def _output(self, R: torch.Tensor, trace: Trace | None) -> torch.Tensor:
-        return self._gated_read(R, self.num_sublayers, trace)
+    def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:
+        return self._gated_read(state, self.num_sublayers, trace)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}"

@@ -1,7 +1,7 @@
 """Hyper-Connections, dynamic (docs/METHOD.md section 6).
 
 stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``, and the next
-        site's ``Hbar [W_m | W_r | W_b]`` (``base.ProjectedStreams``).
+        site's ``Hbar [W_m | W_r | W_b]`` (``base.PreparedStreams``).
 reads:  ``RMSNorm_{g_i}(sum_k A_m[k] H_k)`` with ``A_m = s_a tanh(Hbar W_m) + A_m0``.
 writes: ``H'_j = B[j] v + sum_k A_r[k, j] H_k`` with ``A_r = s_a tanh(Hbar W_r) + A_r0`` and
         ``B = s_b tanh(Hbar W_b) + B0``; ``Hbar = RMSNorm(H)`` per stream (no gain).
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm_project
-from .base import CarriesProjections, MultiStream, ProjectedStreams, Trace
+from .base import PreparesNextSite, MultiStream, PreparedStreams, Trace
 
 
-class HyperConnectionStream(CarriesProjections, MultiStream):
+class HyperConnectionStream(PreparesNextSite, MultiStream):
     kind = "hc"
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, streams: int = 4,
@@ -54,19 +54,21 @@ class HyperConnectionStream(CarriesProjections, MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"read_static", "mix_static", "write_static"}
 
-    def _project(self, H: torch.Tensor, site: int) -> torch.Tensor:
+    def _prepare(self, H: torch.Tensor, site: int) -> torch.Tensor:
         """``Hbar [W_m | W_r | W_b]`` ``[..., n, n + 2]`` of ``site`` (its read's column, then its
-        write's), without forming ``Hbar`` (``ops.rms_norm_project``)."""
+        write's), without forming ``Hbar`` (``ops.rms_norm_project``); None for the output."""
+        if site == self.num_sublayers:
+            return None
         W = torch.cat([self.read_proj[site].unsqueeze(-1), self.mix_proj[site], self.write_proj[site].unsqueeze(-1)],
                       dim=-1)
         return rms_norm_project(H, W, self.eps)
 
-    def _read(self, state: ProjectedStreams, i: int, trace: Trace | None) -> torch.Tensor:
+    def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
         H, z = self._state(state)
         a_m = self.read_scale[i] * torch.tanh(z[..., 0]) + self.read_static[i]  # [..., n]
         return self._finish_read(i, self._ops(H).stream_mix(H, a_m.to(H.dtype)), trace)
 
-    def _write(self, state: ProjectedStreams, i: int, v: torch.Tensor) -> ProjectedStreams:
+    def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
         H, z = self._state(state)
         n = self.streams
         a_r = self.read_scale[i] * torch.tanh(z[..., 1:n + 1]) + self.mix_static[i]  # [..., n(k), n(j)]
@@ -74,6 +76,6 @@ class HyperConnectionStream(CarriesProjections, MultiStream):
         # H'_j = sum_k A_r[k, j] H_k + B[j] v: A_r given as indexed [k, j]
         return self._carry(self._ops(H).stream_update(H, a_r.to(H.dtype), b.to(H.dtype), v, transposed=True), i + 1)
 
-    def _output(self, state: ProjectedStreams, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, self._state(state).H.sum(-2), trace)
 

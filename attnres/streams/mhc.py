@@ -1,7 +1,7 @@
 """Manifold-constrained Hyper-Connections, mHC (docs/METHOD.md section 7).
 
 stores: ``n`` streams ``H`` ``[..., n, D]``, each starting as a copy of ``e``, and the next
-        site's projections ``u Phi`` (``base.ProjectedStreams``).
+        site's projections ``u Phi`` (``base.PreparedStreams``).
 reads:  ``RMSNorm_{g_i}(sum_k Hpre[k] H_k)``, ``Hpre = sigmoid(a_pre (u Phi_pre) + b_pre)``.
 writes: ``H' = Hres @ H + Hpost^T v`` with ``Hpost = 2 sigmoid(a_post (u Phi_post) + b_post)`` and
         ``Hres = Sinkhorn(exp(a_res mat(u Phi_res) + b_res))``, doubly stochastic;
@@ -9,7 +9,7 @@ writes: ``H' = Hres @ H + Hpost^T v`` with ``Hpost = 2 sigmoid(a_post (u Phi_pos
 
 The three projections of one site are stored side by side in ``proj`` ``[M, n*D, 2n + n^2]``:
 one product per site, formed by the write before it (``init`` for site 0) and carried in the
-state with the streams (``base.ProjectedStreams``). Init: ``Phi = 0``, ``a = 0.01``, biases giving ``Hpre = 1/n`` (the stream
+state with the streams (``base.PreparedStreams``). Init: ``Phi = 0``, ``a = 0.01``, biases giving ``Hpre = 1/n`` (the stream
 average), ``Hpost = 1`` and ``Hres`` diagonal-dominant (diagonal logit 2). Output: the stream average, then the final norm.
 """
 
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ..ops import rms_norm_project
-from .base import CarriesProjections, MultiStream, ProjectedStreams, Trace
+from .base import PreparesNextSite, MultiStream, PreparedStreams, Trace
 
 
-class ManifoldHyperConnectionStream(CarriesProjections, MultiStream):
+class ManifoldHyperConnectionStream(PreparesNextSite, MultiStream):
     kind = "mhc"
 
     def __init__(
@@ -65,9 +65,11 @@ class ManifoldHyperConnectionStream(CarriesProjections, MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"bias", "scales"}
 
-    def _project(self, H: torch.Tensor, site: int) -> torch.Tensor:
+    def _prepare(self, H: torch.Tensor, site: int) -> torch.Tensor:
         """``u [Phi_pre | Phi_post | Phi_res]`` ``[..., 2n + n^2]`` of ``site``, without forming
-        ``u = RMSNorm(vec(H))`` (``ops.rms_norm_project``)."""
+        ``u = RMSNorm(vec(H))`` (``ops.rms_norm_project``); None for the output."""
+        if site == self.num_sublayers:
+            return None
         return rms_norm_project(H.flatten(-2), self.proj[site], self.eps)
 
     def _write_logits(self, projected: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +83,15 @@ class ManifoldHyperConnectionStream(CarriesProjections, MultiStream):
     def mixing_matrix(self, H: torch.Tensor, i: int) -> torch.Tensor:
         """``Hres`` ``[..., n, n]`` of site ``i`` for the streams ``H`` ``[..., n, D]``: doubly
         stochastic."""
-        return self._ops(H).sinkhorn(self._write_logits(self._project(H, i), i)[1], self.sinkhorn_iterations)
+        return self._ops(H).sinkhorn(self._write_logits(self._prepare(H, i), i)[1], self.sinkhorn_iterations)
 
-    def _read(self, state: ProjectedStreams, i: int, trace: Trace | None) -> torch.Tensor:
+    def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
         H, projected = self._state(state)
         n = self.streams
         h_pre = torch.sigmoid(self.scales[i, 0] * projected[..., :n] + self.bias[i, :n])  # [..., n]
         return self._finish_read(i, self._ops(H).stream_mix(H, h_pre.to(H.dtype)), trace)
 
-    def _write(self, state: ProjectedStreams, i: int, v: torch.Tensor) -> ProjectedStreams:
+    def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
         H, projected = self._state(state)
         post, res = self._write_logits(projected, i)
         h_post = 2 * torch.sigmoid(post)  # [..., n]
@@ -97,6 +99,6 @@ class ManifoldHyperConnectionStream(CarriesProjections, MultiStream):
         h_res = ops.sinkhorn(res, self.sinkhorn_iterations)  # [..., n(j), n(k)]
         return self._carry(ops.stream_update(H, h_res.to(H.dtype), h_post.to(H.dtype), v), i + 1)
 
-    def _output(self, state: ProjectedStreams, trace: Trace | None) -> torch.Tensor:
+    def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:
         return self._finish_read(self.num_sublayers, self._state(state).H.mean(-2), trace)
 

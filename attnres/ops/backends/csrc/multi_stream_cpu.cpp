@@ -4,20 +4,22 @@
 // A token's streams are n rows of D numbers (a few KiB): the PyTorch path makes a pass over
 // [tokens, n, D] memory per product and sum and writes every intermediate back, where here a
 // token's rows stay in cache while every term of the mix, the update or their gradients is
-// formed from them. Sinkhorn-Knopp runs its iterations on one n x n matrix at a time, in
-// registers and a small per-thread buffer, where the PyTorch path launches four ops per half
-// step over all matrices.
+// formed from them. Sinkhorn-Knopp runs its iterations on a chunk of matrices at a time, one
+// vector register per entry, where the PyTorch path launches four ops per half step over all
+// matrices.
 //
 // Notation (per token t; streams k, j; d in [0, D)):
 //   mix:      y[d] = sum_k w[k] H[k, d]
 //   update:   out[j, d] = sum_k A[j, k] H[k, d] + b[j] v[d]     (A given transposed, or the identity)
-//   gated:    y[d] = (1/n) sum_k sigmoid(z[k, d]) R[k, d]          (GR's read: elementwise gates)
+//   gated:    y[d] = (1/n) sum_k s[k, d] R[k, d]                 (GR's read: gates s = sigmoid(z))
 //   sinkhorn: p = exp(x - max x); then `iterations` times: rows, then columns, scaled to sum 1
 //             (each sum clamped below at the smallest normal number, multiplied by its reciprocal)
+//   rms_norm: y[d] = x[d] rr w[d], rr = 1 / sqrt(mean_d x[d]^2 + eps)  (per row of D numbers)
 //
 // Layouts: H rows of D contiguous numbers, token stride `ts` and stream stride `ks` (0 for the
 // embedding broadcast to every stream); every other array contiguous: w, b [T, n]; A [T, n, n];
-// v, y [T, D]; out, dH, and GR's R and z [T, n, D]; logits and p [B, n, n]. Null outputs are not computed.
+// v, y [T, D]; out, dH, and GR's R and s [T, n, D]; logits and p [B, n, n]; rms_norm's x and y
+// [rows, D]. Null outputs are not computed.
 
 #include <omp.h>
 
@@ -86,8 +88,8 @@ inline void dots_any(const F* a, int64_t as, int64_t na, const F* b, int64_t bs,
   }
 }
 
-// Calls f.template operator()<NN>() with NN = n for the common sizes (loops unroll and
-// vectorize), NN = 0 (read at run time) for the others.
+// Calls f(std::integral_constant<int, NN>()) with NN = n for the common sizes (the loops over
+// streams unroll), NN = 0 (n read at run time) for the others.
 template <typename Fn>
 inline void with_side(int64_t n, Fn&& f) {
   switch (n) {
