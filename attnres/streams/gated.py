@@ -79,7 +79,8 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
 
     def _gated_read(self, state: PreparedStreams, site: int, trace: Trace | None) -> torch.Tensor:
         R, rhat = self._state(state)
-        record_rms(site, R.mean(-2), trace)
+        if trace is not None:  # the branch mean only where it is recorded
+            record_rms(site, R.mean(-2), trace)
         # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
         return self._ops(R).gated_mix(rhat, self.gate_logits(rhat, site).to(rhat.dtype))
 
