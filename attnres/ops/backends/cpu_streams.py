@@ -221,7 +221,7 @@ def gated_mix(R: Tensor, z: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return RMSNormRowsFunction.apply(x, weight, eps)
+    return RMSNormRowsFunction.apply(x, weight.to(x.dtype), eps)
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
