@@ -710,6 +710,25 @@ def test_stream_ops_gradcheck_fp64(op, backend):
                                     [x[name] for name in names])
 
 
+@pytest.mark.parametrize("op", [*STREAM_OPS, "sinkhorn"])
+@pytest.mark.parametrize("backend", OTHERS)
+def test_stream_ops_take_a_gradient_that_is_not_contiguous(op, backend):
+    """The gradient of ``(out * c).sum()`` with ``c`` of the output's last two dims is ``c``
+    expanded over the output (stride 0): a kernel reads a contiguous copy of it, which must live until the kernel
+    has read it."""
+    use(backend)
+    leaf, x = stream_inputs(3, 20, (256,), torch.float32)
+    if op == "sinkhorn":
+        inputs, call = [x["A"]], lambda o, x: o.sinkhorn(x["A"], 5)
+    else:
+        call, which = STREAM_OPS[op]
+        inputs = [leaf] + [x[name] for name in which]
+    c = torch.randn(call(ops.backend("naive"), x).shape[-2:], generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((call(ops.backend(backend), x) * c).sum(), inputs)
+    want = torch.autograd.grad((call(ops.backend("naive"), x) * c).sum(), inputs)
+    assert_grads_close(got, want, 1e-4)
+
+
 @pytest.mark.parametrize("backend", OTHERS)
 def test_stream_ops_leave_frozen_inputs_without_gradient(backend):
     use(backend)

@@ -316,6 +316,8 @@ def test_multi_stream_states_carry_what_the_next_site_needs_and_refuse_bare_stre
     assert (before_output is None) == (kind != "gr")  # GR's output reads its normalized branches
     with pytest.raises(TypeError, match=f"{kind} stream: its state is the PreparedStreams"):
         stream.read(state.H, 1)
+    with pytest.raises(RuntimeError, match=f"{kind} stream: the state is prepared for sublayer 1, not for site 2"):
+        stream.read(state, 2)  # would read site 1's preparation with site 2's parameters
 
 
 def test_gr_is_the_branch_average_when_gates_are_one():

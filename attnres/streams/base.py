@@ -319,6 +319,7 @@ class PreparedStreams(NamedTuple):
 
     H: torch.Tensor
     prepared: torch.Tensor | None
+    site: int  # the site ``prepared`` was formed for
 
 
 class PreparesNextSite:
@@ -332,18 +333,25 @@ class PreparesNextSite:
         """What site ``site`` (``num_sublayers``: the output) needs from the streams ``H``."""
         raise NotImplementedError
 
-    def _state(self, state: Any) -> PreparedStreams:
+    def _state(self, state: Any, site: int | None = None) -> PreparedStreams:
         """``state``, refused (``TypeError``) unless it is a ``PreparedStreams`` (a bare tensor of
-        streams would unpack along its first dim)."""
+        streams would unpack along its first dim), and (``RuntimeError``) when ``site`` is given
+        and the state was prepared for another site (its ``prepared`` would be read with the
+        wrong site's parameters)."""
         if type(state) is not PreparedStreams:
             raise TypeError(f"{self.kind} stream: its state is the PreparedStreams that init, write and join_state "
                             f"make, given {type(state).__name__}; from streams H [..., n, D] before sublayer i: "
                             f"join_state((), (H,), i)")
+        if site is not None and state.site != site:
+            where = "the output" if state.site == self.num_sublayers else f"sublayer {state.site}"
+            raise RuntimeError(f"{self.kind} stream: the state is prepared for {where}, not for site {site}; "
+                               f"sublayers are read and written in order (from streams H before sublayer i: "
+                               f"join_state((), (H,), i))")
         return state
 
     def _carry(self, H: torch.Tensor, site: int) -> PreparedStreams:
         """The state holding ``H`` before ``site`` (``num_sublayers``: the output)."""
-        return PreparedStreams(H, self._prepare(H, site))
+        return PreparedStreams(H, self._prepare(H, site), site)
 
     def _init(self, e: torch.Tensor) -> PreparedStreams:
         return self._carry(super()._init(e), 0)

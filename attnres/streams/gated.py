@@ -78,7 +78,7 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         return torch.sigmoid(self.gate_logits(rhat, site))
 
     def _gated_read(self, state: PreparedStreams, site: int, trace: Trace | None) -> torch.Tensor:
-        R, rhat = self._state(state)
+        R, rhat = self._state(state, site)[:2]
         if trace is not None:  # the branch mean only where it is recorded
             record_rms(site, R.mean(-2), trace)
         # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
@@ -88,7 +88,7 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         return self._gated_read(state, i, trace)
 
     def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
-        R, rhat = self._state(state)
+        R, rhat = self._state(state, i)[:2]
         # W_inject vec(Rhat) / n_r: one [n_r D, n_r] product on the read's Rhat
         z = (rhat.flatten(-2) @ self.inject[i].T.to(rhat.dtype)) / self.streams  # [..., n_r]
         s = 2 * torch.sigmoid(z)  # [..., n_r]

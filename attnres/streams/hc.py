@@ -64,12 +64,12 @@ class HyperConnectionStream(PreparesNextSite, MultiStream):
         return rms_norm_project(H, W, self.eps)
 
     def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
-        H, z = self._state(state)
+        H, z = self._state(state, i)[:2]
         a_m = self.read_scale[i] * torch.tanh(z[..., 0]) + self.read_static[i]  # [..., n]
         return self._finish_read(i, self._ops(H).stream_mix(H, a_m.to(H.dtype)), trace)
 
     def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
-        H, z = self._state(state)
+        H, z = self._state(state, i)[:2]
         n = self.streams
         a_r = self.read_scale[i] * torch.tanh(z[..., 1:n + 1]) + self.mix_static[i]  # [..., n(k), n(j)]
         b = self.write_scale[i] * torch.tanh(z[..., n + 1]) + self.write_static[i]  # [..., n]
@@ -77,5 +77,5 @@ class HyperConnectionStream(PreparesNextSite, MultiStream):
         return self._carry(self._ops(H).stream_update(H, a_r.to(H.dtype), b.to(H.dtype), v, transposed=True), i + 1)
 
     def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:
-        return self._finish_read(self.num_sublayers, self._state(state).H.sum(-2), trace)
+        return self._finish_read(self.num_sublayers, self._state(state, self.num_sublayers).H.sum(-2), trace)
 

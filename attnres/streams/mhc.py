@@ -86,13 +86,13 @@ class ManifoldHyperConnectionStream(PreparesNextSite, MultiStream):
         return self._ops(H).sinkhorn(self._write_logits(self._prepare(H, i), i)[1], self.sinkhorn_iterations)
 
     def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
-        H, projected = self._state(state)
+        H, projected = self._state(state, i)[:2]
         n = self.streams
         h_pre = torch.sigmoid(self.scales[i, 0] * projected[..., :n] + self.bias[i, :n])  # [..., n]
         return self._finish_read(i, self._ops(H).stream_mix(H, h_pre.to(H.dtype)), trace)
 
     def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
-        H, projected = self._state(state)
+        H, projected = self._state(state, i)[:2]
         post, res = self._write_logits(projected, i)
         h_post = 2 * torch.sigmoid(post)  # [..., n]
         ops = self._ops(H)
@@ -100,5 +100,5 @@ class ManifoldHyperConnectionStream(PreparesNextSite, MultiStream):
         return self._carry(ops.stream_update(H, h_res.to(H.dtype), h_post.to(H.dtype), v), i + 1)
 
     def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:
-        return self._finish_read(self.num_sublayers, self._state(state).H.mean(-2), trace)
+        return self._finish_read(self.num_sublayers, self._state(state, self.num_sublayers).H.mean(-2), trace)
 

@@ -3,10 +3,12 @@ the mix of a read (weighted, or gated elementwise as GR's), the update of a writ
 Sinkhorn-Knopp and GR's per-branch RMSNorm, each forward and backward one pass over the tokens
 (or the matrices).
 
-Each is an autograd function keeping only its inputs: the mix and the update form their
-gradients from ``H``, the weights and ``v``; Sinkhorn's backward runs the iterations again per
-matrix from the logits (a few hundred numbers) and then reverses them, so it keeps neither the
+Each is an autograd function keeping its inputs and little else: the mix and the update form
+their gradients from ``H``, the weights and ``v``; the gated mix keeps the gates in place of
+their logits, the RMSNorm one inverse RMS per row; Sinkhorn's backward runs the iterations again
+per chunk of matrices from the logits and then reverses them, so it keeps neither the
 ``2 x iterations`` intermediate matrices autograd would keep nor anything beyond the logits.
+A pointer handed to a kernel is always that of a tensor held in a local name.
 
 ``H`` ``[..., n, D]`` is read in place when its rows are contiguous and its leading dims fold
 into one token stride (the embedding broadcast to every stream, ``e[..., None, :].expand``, is
@@ -149,9 +151,10 @@ class GatedMixFunction(torch.autograd.Function):
     def backward(ctx, g):
         R, gates = ctx.saved_tensors
         n, D = R.shape[-2:]
+        g = g.contiguous()  # held here: a temporary's memory would be freed before the kernel reads it
         dR = torch.empty_like(R) if ctx.needs_input_grad[0] else None
         dz = torch.empty_like(gates) if ctx.needs_input_grad[1] else None
-        _kernel("gated_mix_backward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(gates), _ptr(g.contiguous()),
+        _kernel("gated_mix_backward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(gates), _ptr(g),
                                                _ptr(dR), _ptr(dz), _threads())
         return dR, dz
 
@@ -177,9 +180,10 @@ class RMSNormRowsFunction(torch.autograd.Function):
     def backward(ctx, g):
         x, weight, rr = ctx.saved_tensors
         D = x.shape[-1]
+        g = g.contiguous()  # held here: a temporary's memory would be freed before the kernel reads it
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        _kernel("rms_norm_backward", x.dtype)(x.numel() // D, D, _ptr(x), _ptr(weight), _ptr(rr), _ptr(g.contiguous()),
+        _kernel("rms_norm_backward", x.dtype)(x.numel() // D, D, _ptr(x), _ptr(weight), _ptr(rr), _ptr(g),
                                               _ptr(dx), _ptr(dw), _threads())
         return dx, dw, None
 
@@ -202,9 +206,10 @@ class SinkhornFunction(torch.autograd.Function):
     def backward(ctx, g):
         x, = ctx.saved_tensors
         n = x.shape[-1]
+        g = g.contiguous()  # held here: a temporary's memory would be freed before the kernel reads it
         dx = torch.empty_like(x)
         _kernel("sinkhorn_backward", x.dtype)(x.numel() // (n * n), n, ctx.iterations, _ptr(x),
-                                              _ptr(g.contiguous()), _ptr(dx), _threads())
+                                              _ptr(g), _ptr(dx), _threads())
         return dx, None
 
 
