@@ -111,11 +111,11 @@ class RMSNormProjectFunction(torch.autograd.Function):
 
     It keeps ``x`` (the caller's state, kept anyway), ``rr`` ``[..., 1]`` and ``y`` ``[..., C]``.
 
-    ``C`` is a few numbers (1 to 24 in HC, mHC and GR), and a CPU BLAS runs such skinny products
-    at very different speeds by layout: ``x @ W`` is formed with ``W`` as the transposed view of
-    a contiguous ``[C, K]`` copy (a few KiB) and ``dW`` as ``(dz^T @ x)^T``, the layouts that ran
-    1.3-3x faster at the multi-stream designs' shapes (docs/BENCHMARKS.md, "Training step at the
-    size of ``attnres compare``"); the numbers differ only in rounding."""
+    ``C`` is a few numbers (HC's ``n + 2``, mHC's ``2n + n^2``), and a CPU BLAS runs such skinny
+    products at very different speeds by layout: ``x @ W`` is formed with ``W`` as the transposed
+    view of a contiguous ``[C, K]`` copy (a few KiB) and ``dW`` as ``(dz^T @ x)^T``, the layouts
+    that took 0.525 of the time at 4 columns and lost nothing at 20 and 24 (docs/BENCHMARKS.md,
+    "Training step at the size of ``attnres compare``", K2); the numbers differ only in rounding."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):

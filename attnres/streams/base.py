@@ -325,7 +325,7 @@ class PreparedStreams(NamedTuple):
 class PreparesNextSite:
     """The state methods of a multi-stream design whose state is ``PreparedStreams``; mixed in
     before ``MultiStream``. The design gives ``_prepare(H, site)``. Formed once per site in place
-    of once by the read and again by the write: two skinny products ran at half the speed of
+    of once by the read and again by the write: two skinny products took 1.6-2.2x the time of
     one as wide as both together (docs/BENCHMARKS.md). Across a pipeline stage only ``H``
     travels; the receiving stage prepares it again."""
 
