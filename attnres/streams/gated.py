@@ -89,8 +89,9 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
 
     def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
         R, rhat = self._state(state, i)[:2]
-        # W_inject vec(Rhat) / n_r: one [n_r D, n_r] product on the read's Rhat
-        z = (rhat.flatten(-2) @ self.inject[i].T.to(rhat.dtype)) / self.streams  # [..., n_r]
+        # W_inject vec(Rhat) / n_r: one [n_r D, n_r] product on the read's Rhat, in fp32 at least
+        dt = torch.promote_types(rhat.dtype, torch.float32)
+        z = (rhat.flatten(-2).to(dt) @ self.inject[i].T.to(dt)) / self.streams  # [..., n_r]
         s = 2 * torch.sigmoid(z)  # [..., n_r]
         return self._carry(self._ops(R).stream_update(R, None, s.to(R.dtype), v), i + 1)  # R + s v
 
