@@ -76,7 +76,6 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--csv", default="stream_ops")
     args = p.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     print(f"# multi-stream ops, tokens {LEAD}, n={N}, D={D}, fp32, forward + backward; {machine()}")
     x = inputs()
     now, then = calls(attnres, x), calls(import_revision(args.revision), x)
