@@ -314,11 +314,12 @@ class PreparedStreams(NamedTuple):
     """The state of a multi-stream design whose read and write of a site both take something
     computed from the same streams: the streams ``H`` ``[..., n, D]`` and ``prepared``, what the
     site that takes ``H`` next needs from them (HC's and mHC's projections, every column of its
-    read and its write in one product; GR's normalized branches), formed once by the write that
-    made ``H`` (or by ``init``); None where the site needs nothing."""
+    read and its write in one product; GR's normalized branches and their product through its
+    read's and its write's weights), formed once by the write that made ``H`` (or by ``init``);
+    None where the site needs nothing."""
 
     H: torch.Tensor
-    prepared: torch.Tensor | None
+    prepared: torch.Tensor | tuple[torch.Tensor, ...] | None
     site: int  # the site ``prepared`` was formed for
 
 
@@ -329,7 +330,7 @@ class PreparesNextSite:
     one as wide as both together (docs/BENCHMARKS.md). Across a pipeline stage only ``H``
     travels; the receiving stage prepares it again."""
 
-    def _prepare(self, H: torch.Tensor, site: int) -> torch.Tensor | None:
+    def _prepare(self, H: torch.Tensor, site: int) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """What site ``site`` (``num_sublayers``: the output) needs from the streams ``H``."""
         raise NotImplementedError
 

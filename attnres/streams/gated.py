@@ -1,7 +1,7 @@
 """Gated Residual, GR (docs/METHOD.md section 8).
 
 stores: ``n_r`` branches ``R`` ``[..., n_r, D]``, each starting as a copy of ``e``, and the next
-        site's ``Rhat`` (``base.PreparedStreams``).
+        site's ``Rhat`` with its products through ``W_down`` and ``W_inject`` (``base.PreparedStreams``).
 reads:  ``mean_k(G_k * Rhat_k)`` where ``Rhat`` is a per-branch RMSNorm with zero-centred gain
         (``x * (1 + w)``) and ``G = sigmoid(W_up SiLU(W_down vec(Rhat) / n_r))`` are elementwise
         gates. GR replaces the pre-norm: the read is not normalized again.
@@ -61,16 +61,26 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"branch_gains"}
 
-    def _prepare(self, R: torch.Tensor, site: int) -> torch.Tensor:
-        """``Rhat`` ``[..., n_r, D]`` of ``site`` (``M``: the output): each branch through RMSNorm
-        with the gain ``1 + w``, on the backend's ``rms_norm`` (one op that keeps only ``R`` and
-        the inverse RMS). The read and the write of the site both take it."""
-        return self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
+    def _prepare(self, R: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Rhat, z)`` of ``site`` (``M``: the output). ``Rhat`` ``[..., n_r, D]``: each branch
+        through RMSNorm with the gain ``1 + w``, on the backend's ``rms_norm`` (one op that keeps
+        only ``R`` and the inverse RMS). ``z`` ``[..., r (+ n_r)]``: ``vec(Rhat) / n_r`` through
+        the read's ``W_down`` and, but at the output, the write's ``W_inject``, in one product (in
+        fp32 at least). The read and the write of the site both take them."""
+        rhat = self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
+        dt = torch.promote_types(rhat.dtype, torch.float32)
+        W = self.gate_down[site]  # [r, n_r D], then [n_r, n_r D] of the write
+        if site < self.num_sublayers:
+            W = torch.cat((W, self.inject[site]))
+        # (vec(Rhat) W^T) / n_r: the division on the r + n_r numbers rather than on vec(Rhat)
+        return rhat, (rhat.flatten(-2).to(dt) @ W.T.to(dt)) / self.streams
 
-    def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
-        """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``."""
-        # (vec(Rhat) W_down^T) / n_r: the division on the r numbers rather than on vec(Rhat)
-        hidden = F.silu((rhat.flatten(-2) @ self.gate_down[site].T) / self.streams)  # [..., r]
+    def gate_logits(self, rhat: torch.Tensor, site: int, down: torch.Tensor | None = None) -> torch.Tensor:
+        """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``;
+        ``down``: ``W_down vec(Rhat) / n_r`` ``[..., r]`` when already formed (``_prepare``)."""
+        if down is None:
+            down = (rhat.flatten(-2) @ self.gate_down[site].T) / self.streams
+        hidden = F.silu(down).to(rhat.dtype)  # [..., r]
         return (hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 
     def gates(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
@@ -78,21 +88,19 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         return torch.sigmoid(self.gate_logits(rhat, site))
 
     def _gated_read(self, state: PreparedStreams, site: int, trace: Trace | None) -> torch.Tensor:
-        R, rhat = self._state(state, site)[:2]
+        R, (rhat, z) = self._state(state, site)[:2]
         if trace is not None:  # the branch mean only where it is recorded
             record_rms(site, R.mean(-2), trace)
+        logits = self.gate_logits(rhat, site, z[..., :self.rank])
         # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
-        return self._ops(R).gated_mix(rhat, self.gate_logits(rhat, site).to(rhat.dtype))
+        return self._ops(R).gated_mix(rhat, logits.to(rhat.dtype))
 
     def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
         return self._gated_read(state, i, trace)
 
     def _write(self, state: PreparedStreams, i: int, v: torch.Tensor) -> PreparedStreams:
-        R, rhat = self._state(state, i)[:2]
-        # W_inject vec(Rhat) / n_r: one [n_r D, n_r] product on the read's Rhat, in fp32 at least
-        dt = torch.promote_types(rhat.dtype, torch.float32)
-        z = (rhat.flatten(-2).to(dt) @ self.inject[i].T.to(dt)) / self.streams  # [..., n_r]
-        s = 2 * torch.sigmoid(z)  # [..., n_r]
+        R, (_, z) = self._state(state, i)[:2]
+        s = 2 * torch.sigmoid(z[..., self.rank:])  # [..., n_r]: 2 sigmoid(W_inject vec(Rhat) / n_r)
         return self._carry(self._ops(R).stream_update(R, None, s.to(R.dtype), v), i + 1)  # R + s v
 
     def _output(self, state: PreparedStreams, trace: Trace | None) -> torch.Tensor:

@@ -189,21 +189,20 @@ def _out_dtype(dtype, norm_weight, norm_eps):
 # -- the kernels: what the eager functions and the custom ops both run ---------------------------
 
 def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=None):
-    """``(outs, lse, logits, norm_rr)`` of ``S`` queries: ``outs`` ``S x [..., D]``, ``lse``
-    ``[S, ..., H]``, ``logits`` ``[N, S, ..., H]``, and with ``norm = (weight, eps)`` the first
-    output normalized (``rms_norm``) and its inverse RMS ``[..., 1]`` (else None).
+    """``(outs, lse, norm_rr)`` of ``S`` queries: ``outs`` ``S x [..., D]``, ``lse``
+    ``[S, ..., H]``, and with ``norm = (weight, eps)`` the first output normalized
+    (``rms_norm``) and its inverse RMS ``[..., 1]`` (else None).
 
     ``qg`` ``[S, D]`` holds the gain-folded queries in the sources' dtype. Given ``logits``
-    (precomputed by ``score_source``) are used as they are, and then
-    ``qg`` and ``inv_rms`` are not read (pass None and ``key_norm=False``)."""
+    ``[N, S, ..., H]`` (precomputed by ``score_source``) are used as they are, and then
+    ``qg`` and ``inv_rms`` are not read (pass None and ``key_norm=False``); otherwise the kernel
+    scores each token's sources as it goes and keeps no logits."""
     dt, lead, D = sources[0].dtype, sources[0].shape[:-1], sources[0].shape[-1]
-    sources, N = in_dtype(sources, dt), len(sources)
+    sources = in_dtype(sources, dt)
     given = logits is not None
     if given:
         logits = logits.to(dt).contiguous()
-    else:
-        logits = torch.empty(N, qg.shape[0], *lead, heads, dtype=dt)
-    S = logits.shape[1]
+    S = logits.shape[1] if given else qg.shape[0]
     lse = torch.empty(S, *lead, heads, dtype=dt)
     outs = [torch.empty(*lead, D, dtype=dt) for _ in range(S)]
     args, keep = _args(sources, inv_rms, None if given else qg.contiguous(), heads, score, key_norm,
@@ -218,7 +217,7 @@ def mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm=None, logits=
         args.norm_w, args.norm_rr, args.norm_eps = _ptr(weight), norm_rr.data_ptr(), norm_eps
         keep.append(weight)
     _call("depth_forward", dt, args)
-    return tuple(outs), lse, logits, norm_rr
+    return tuple(outs), lse, norm_rr
 
 
 class AttendGrads(NamedTuple):
@@ -443,7 +442,7 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, prepared) if key_norm]
         qg = fold_gain(queries, gains, dt).contiguous()
         norm = None if norm_eps is None else (norm_weight, norm_eps)
-        outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm)
+        outs, lse, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm)
         # the logits are not kept: backward computes them again, token by token
         ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, *inv_rms, *sources)
         ctx.options = options
@@ -558,7 +557,7 @@ def attend_op(qg: Tensor | None, sources: list[Tensor], inv_rms: list[Tensor],
     """``mix_forward`` as an op: ``(outs, lse, norm_rr)``, ``norm_rr`` ``[..., 1]`` with the
     fused norm (``norm_eps`` set) and empty without. Every tensor in the sources' dtype."""
     norm = None if norm_eps is None else (norm_weight, norm_eps)
-    outs, lse, _, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm,
+    outs, lse, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm,
                                         logits=logits)
     return list(outs), lse, lse.new_empty(0) if norm_rr is None else norm_rr
 
@@ -813,7 +812,7 @@ class CpuOps(KeyStatisticsOps):
                                      norm_eps, logits.shape[-1], score, False)
             return tuple(outs), lse
         norm = None if norm is None else (weight, norm_eps)
-        outs, lse, _, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm,
+        outs, lse, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm,
                                       logits=logits)
         return outs, lse
 

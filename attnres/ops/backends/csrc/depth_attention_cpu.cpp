@@ -32,7 +32,7 @@ struct DepthArgs {
   const void* const* rinv;     // per source: inverse RMS per token (unused without key norm)
   const int64_t* rinv_stride;  // per source: 1, or 0
   const void* qg;              // [S, D] queries with the key-norm gain folded in
-  void* logits;                // [N, S, T, H]: forward (written, or read when given); backward recomputes them
+  const void* logits;          // [N, S, T, H] precomputed (read when logits_given), or null: scored per token
   void* lse;                   // [S, T, H]
   void* const* outs;           // forward: S pointers to [T, D]
   const void* norm_w;          // [D] gain of query 0's norm, or null (no gain)
@@ -143,30 +143,6 @@ void norm_backward_row(const F* x, const F* dy, const F* w, F rr, int64_t D, F* 
   for (int64_t d = 0; d < D; ++d) dx[d] = rr * ((w ? dy[d] * w[d] : dy[d]) - x[d] * rr * m);
 }
 
-// The softmax (or sigmoid) weights p[j,s,h] of token t from its logits, and lse[s,h].
-template <typename F>
-void weights(const DepthArgs& a, const F* logits, F* lse_out, int64_t t, F* p) {
-  const int64_t T = a.tokens, N = a.n_src, S = a.n_q, H = a.heads;
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t h = 0; h < H; ++h) {
-      auto logit = [&](int64_t j) { return logits[((j * S + s) * T + t) * H + h]; };
-      auto at = [&](int64_t j) -> F& { return p[(j * S + s) * H + h]; };
-      if (a.sigmoid) {
-        for (int64_t j = 0; j < N; ++j) at(j) = sigmoid(logit(j));
-        lse_out[(s * T + t) * H + h] = 0;
-        continue;
-      }
-      F m = logit(0);
-      for (int64_t j = 1; j < N; ++j) m = logit(j) > m ? logit(j) : m;
-      F sum = 0;
-      for (int64_t j = 0; j < N; ++j) sum += std::exp(logit(j) - m);
-      const F lse = m + std::log(sum);
-      lse_out[(s * T + t) * H + h] = lse;
-      for (int64_t j = 0; j < N; ++j) at(j) = std::exp(logit(j) - lse);
-    }
-  }
-}
-
 template <typename F>
 inline const F* row(const DepthArgs& a, int64_t j, int64_t t) {
   return static_cast<const F*>(a.src[j]) + t * a.src_stride[j];
@@ -175,47 +151,6 @@ inline const F* row(const DepthArgs& a, int64_t j, int64_t t) {
 template <typename F>
 inline F inv_rms(const DepthArgs& a, int64_t j, int64_t t) {
   return a.key_norm ? static_cast<const F*>(a.rinv[j])[t * a.rinv_stride[j]] : F(1);
-}
-
-// out[h] = sum_j p[j,s,h] v_j[h] for query s of token t (sources in order, as the PyTorch path).
-template <typename F>
-void mix_row(const DepthArgs& a, const F* p, int64_t s, int64_t t, F* out) {
-  const int64_t N = a.n_src, S = a.n_q, H = a.heads, dh = a.dim / a.heads;
-  for (int64_t h = 0; h < H; ++h) {
-    scale(p[s * H + h], row<F>(a, 0, t) + h * dh, out + h * dh, dh);
-    for (int64_t j = 1; j < N; ++j) axpy(p[(j * S + s) * H + h], row<F>(a, j, t) + h * dh, out + h * dh, dh);
-  }
-}
-
-template <typename F>
-void forward(const DepthArgs& a) {
-  const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
-  F* logits = static_cast<F*>(a.logits);
-  const F* qg = static_cast<const F*>(a.qg);
-  const F* norm_w = static_cast<const F*>(a.norm_w);
-  F* norm_rr = static_cast<F*>(a.norm_rr);
-#pragma omp parallel num_threads(a.threads)
-  {
-    std::vector<F> p(N * S * H);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      if (!a.logits_given) {
-        for (int64_t j = 0; j < N; ++j) {
-          const F* v = row<F>(a, j, t);
-          const F r = inv_rms<F>(a, j, t);
-          for (int64_t s = 0; s < S; ++s)
-            for (int64_t h = 0; h < H; ++h)
-              logits[((j * S + s) * T + t) * H + h] = head_logit(qg + s * D, v, r, h, dh);
-        }
-      }
-      weights<F>(a, logits, static_cast<F*>(a.lse), t, p.data());
-      for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
-      if (norm_rr) {  // query 0's output through RMSNorm, in place
-        F* o = static_cast<F*>(a.outs[0]) + t * D;
-        norm_rr[t] = norm_row(o, norm_w, F(a.norm_eps), D, o);
-      }
-    }
-  }
 }
 
 // The logits lg[(j * S + s) * H + h] of token t, as forward computed them (head_logit), so that
@@ -229,6 +164,94 @@ void token_logits(const DepthArgs& a, int64_t t, F* lg) {
     const F r = inv_rms<F>(a, j, t);
     for (int64_t s = 0; s < S; ++s)
       for (int64_t h = 0; h < H; ++h) lg[(j * S + s) * H + h] = head_logit(qg + s * D, v, r, h, dh);
+  }
+}
+
+// The softmax (or sigmoid) weights p[(j * S + s) * H + h] of token t from its logits lg (same
+// layout), and lse[s,h]. One exponential per logit: p = exp(l - m) / sum_j exp(l_j - m), as a
+// decode read computes it; backward forms p again as exp(l - lse), equal to rounding.
+template <typename F>
+void weights(const DepthArgs& a, const F* lg, F* lse_out, int64_t t, F* p) {
+  const int64_t T = a.tokens, N = a.n_src, S = a.n_q, H = a.heads, SH = S * H;
+  for (int64_t k = 0; k < SH; ++k) {  // k = s * H + h
+    if (a.sigmoid) {
+      for (int64_t j = 0; j < N; ++j) p[j * SH + k] = sigmoid(lg[j * SH + k]);
+      lse_out[(k / H * T + t) * H + k % H] = 0;
+      continue;
+    }
+    F m = lg[k];
+    for (int64_t j = 1; j < N; ++j) m = lg[j * SH + k] > m ? lg[j * SH + k] : m;
+    F sum = 0;
+    for (int64_t j = 0; j < N; ++j) sum += (p[j * SH + k] = std::exp(lg[j * SH + k] - m));
+    for (int64_t j = 0; j < N; ++j) p[j * SH + k] /= sum;
+    lse_out[(k / H * T + t) * H + k % H] = m + std::log(sum);
+  }
+}
+
+template <typename F>
+inline void store(F* p, Vec<F> v) {  // unaligned
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+// out[h] = sum_j p[j,s,h] v_j[h] for query s of token t (sources in order, as the PyTorch path).
+// The sums stay in registers across the sources, four vectors at a time: an axpy per source
+// would load and store the output row N times.
+template <typename F>
+void mix_row(const DepthArgs& a, const F* p, int64_t s, int64_t t, F* out) {
+  constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);
+  const int64_t N = a.n_src, S = a.n_q, H = a.heads, dh = a.dim / a.heads;
+  for (int64_t h = 0; h < H; ++h) {
+    auto weight = [&](int64_t j) { return p[(j * S + s) * H + h]; };
+    const int64_t lo = h * dh, hi = lo + dh;
+    int64_t d = lo;
+    for (; d + 4 * W <= hi; d += 4 * W) {
+      const F* v = row<F>(a, 0, t) + d;
+      const F w0 = weight(0);
+      Vec<F> s0 = w0 * load(v), s1 = w0 * load(v + W), s2 = w0 * load(v + 2 * W), s3 = w0 * load(v + 3 * W);
+      for (int64_t j = 1; j < N; ++j) {
+        v = row<F>(a, j, t) + d;
+        const F w = weight(j);
+        s0 += w * load(v), s1 += w * load(v + W), s2 += w * load(v + 2 * W), s3 += w * load(v + 3 * W);
+      }
+      store(out + d, s0), store(out + d + W, s1), store(out + d + 2 * W, s2), store(out + d + 3 * W, s3);
+    }
+    for (; d + W <= hi; d += W) {
+      Vec<F> s0 = weight(0) * load(row<F>(a, 0, t) + d);
+      for (int64_t j = 1; j < N; ++j) s0 += weight(j) * load(row<F>(a, j, t) + d);
+      store(out + d, s0);
+    }
+    for (; d < hi; ++d) {
+      F s0 = weight(0) * row<F>(a, 0, t)[d];
+      for (int64_t j = 1; j < N; ++j) s0 += weight(j) * row<F>(a, j, t)[d];
+      out[d] = s0;
+    }
+  }
+}
+
+template <typename F>
+void forward(const DepthArgs& a) {
+  const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads;
+  const F* given = a.logits_given ? static_cast<const F*>(a.logits) : nullptr;
+  const F* norm_w = static_cast<const F*>(a.norm_w);
+  F* norm_rr = static_cast<F*>(a.norm_rr);
+#pragma omp parallel num_threads(a.threads)
+  {
+    std::vector<F> lg(N * S * H), p(N * S * H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      if (given) {  // precomputed [N, S, T, H] (inference)
+        for (int64_t j = 0; j < N * S; ++j)
+          for (int64_t h = 0; h < H; ++h) lg[j * H + h] = given[(j * T + t) * H + h];
+      } else {
+        token_logits<F>(a, t, lg.data());
+      }
+      weights<F>(a, lg.data(), static_cast<F*>(a.lse), t, p.data());
+      for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
+      if (norm_rr) {  // query 0's output through RMSNorm, in place
+        F* o = static_cast<F*>(a.outs[0]) + t * D;
+        norm_rr[t] = norm_row(o, norm_w, F(a.norm_eps), D, o);
+      }
+    }
   }
 }
 
