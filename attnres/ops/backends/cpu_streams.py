@@ -131,30 +131,29 @@ class StreamUpdateFunction(torch.autograd.Function):
 
 
 class GatedMixFunction(torch.autograd.Function):
-    """``y = mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]`` (GR's read). The gates
-    ``sigmoid(z)`` come from PyTorch's vectorized sigmoid (a scalar exponential per number in
-    the kernel took most of its time); autograd keeps them in place of ``z`` (the same size), so
-    that backward computes no exponential."""
+    """``y = mean_k(sigmoid(z[..., k, :]) * R[..., k, :])`` ``[..., D]`` (GR's read). The kernel
+    forms the gates ``sigmoid(z)`` token by token with a vectorized exponential, in forward and
+    again in backward, so that only ``R`` and ``z`` are kept and the gates never pass through
+    memory."""
 
     @staticmethod
     def forward(ctx, R, z):
         n, D = R.shape[-2:]
-        R = R.contiguous()
-        gates = torch.sigmoid(z).contiguous()
+        R, z = R.contiguous(), z.contiguous()
         y = torch.empty(R.shape[:-2] + (D,), dtype=R.dtype)
-        _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(gates), _ptr(y), _threads())
-        ctx.save_for_backward(R, gates)
+        _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(y), _threads())
+        ctx.save_for_backward(R, z)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        R, gates = ctx.saved_tensors
+        R, z = ctx.saved_tensors
         n, D = R.shape[-2:]
         g = g.contiguous()  # held here: a temporary's memory would be freed before the kernel reads it
         dR = torch.empty_like(R) if ctx.needs_input_grad[0] else None
-        dz = torch.empty_like(gates) if ctx.needs_input_grad[1] else None
-        _kernel("gated_mix_backward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(gates), _ptr(g),
+        dz = torch.empty_like(z) if ctx.needs_input_grad[1] else None
+        _kernel("gated_mix_backward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(g),
                                                _ptr(dR), _ptr(dz), _threads())
         return dR, dz
 

@@ -18,7 +18,7 @@
 //
 // Layouts: H rows of D contiguous numbers, token stride `ts` and stream stride `ks` (0 for the
 // embedding broadcast to every stream); every other array contiguous: w, b [T, n]; A [T, n, n];
-// v, y [T, D]; out, dH, and GR's R and s [T, n, D]; logits and p [B, n, n]; rms_norm's x and y
+// v, y [T, D]; out, dH, and GR's R and z [T, n, D]; logits and p [B, n, n]; rms_norm's x and y
 // [rows, D]. Null outputs are not computed.
 
 #include <omp.h>
@@ -207,40 +207,6 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
   }
 }
 
-// GR's read from its gates s = sigmoid(z), computed by the caller (PyTorch's vectorized sigmoid)
-// and kept for backward, so that backward computes no exponential:
-//   y = (1/n) sum_k s_k R_k;  dR = s g / n;  dz = (g / n) R s (1 - s)
-template <typename F>
-void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, F* y, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    F* out = y + t * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = 0;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t row = (t * n + k) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] += s[row + d] * R[row + d];
-    }
-    for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
-  }
-}
-
-template <typename F>
-void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* s, const F* g, F* dR, F* dz,
-                    int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const F* gt = g + t * D;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t row = (t * n + k) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const F gn = gt[d] / F(n), gate = s[row + d];
-        if (dR) dR[row + d] = gate * gn;
-        if (dz) dz[row + d] = gn * R[row + d] * ((F(1) - gate) * gate);
-      }
-    }
-  }
-}
-
 // Sinkhorn runs on a chunk of LANES matrices at a time, entry-major: c[e] is one vector holding
 // entry e of the chunk's LANES matrices, so that every step of the iteration is one vector
 // operation over the chunk while each matrix sees exactly the operations, in the order, of the
@@ -257,6 +223,113 @@ struct Lanes<double> {
 };
 template <typename F>
 using lanes = typename Lanes<F>::type;
+
+// exp(x) lane by lane. fp32: Cephes' expf on the whole vector (x = k ln2 + r with |r| <= ln2/2,
+// a degree-6 polynomial in r, 2^k put in the exponent bits), x clamped to [-87, 88] so that
+// 2^k stays a normal number; within a few units in the last place of std::exp. fp64 (the
+// reference dtype): std::exp per lane.
+inline lanes<float> exp_lanes(lanes<float> x) {
+  typedef int32_t ints __attribute__((vector_size(64)));
+  const lanes<float> hi = lanes<float>{} + 88.0f, lo = lanes<float>{} - 87.0f;
+  x = x < hi ? x : hi;
+  x = x > lo ? x : lo;
+  const lanes<float> round = lanes<float>{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const lanes<float> k = (x * 1.44269504088896341f + round) - round;
+  lanes<float> r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  lanes<float> p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const lanes<float> y = p * (r * r) + r + 1.0f;
+  const ints bits = (__builtin_convertvector(k, ints) + 127) << 23;
+  lanes<float> scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+inline lanes<double> exp_lanes(lanes<double> x) {
+  for (int l = 0; l < LANES<double>; ++l) x[l] = std::exp(x[l]);
+  return x;
+}
+
+template <typename F>
+inline lanes<F> sigmoid_lanes(lanes<F> z) {
+  const lanes<F> one = lanes<F>{} + F(1);
+  return one / (one + exp_lanes(-z));
+}
+
+// s = sigmoid(z) = 1 / (1 + exp(-z)) over m numbers, a vector at a time (the last one padded)
+template <typename F>
+inline void sigmoid_row(const F* z, int64_t m, F* s) {
+  constexpr int64_t W = LANES<F>;
+  int64_t i = 0;
+  for (; i + W <= m; i += W) {
+    lanes<F> x;
+    __builtin_memcpy(&x, z + i, sizeof(x));
+    x = sigmoid_lanes<F>(x);
+    __builtin_memcpy(s + i, &x, sizeof(x));
+  }
+  if (i < m) {
+    lanes<F> x = {};
+    for (int64_t l = 0; i + l < m; ++l) x[l] = z[i + l];
+    x = sigmoid_lanes<F>(x);
+    for (int64_t l = 0; i + l < m; ++l) s[i + l] = x[l];
+  }
+}
+
+// GR's read from the logits z of its gates, s = sigmoid(z) formed token by token in the kernel
+// (vectorized, in forward and again in backward: nothing but R and z is kept):
+//   y = (1/n) sum_k s_k R_k;  dR = s g / n;  dz = (g / n) R s (1 - s)
+template <typename F>
+void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<F> s(n * D);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      sigmoid_row(z + t * n * D, n * D, s.data());
+      F* out = y + t * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        const F* Rk = R + (t * n + k) * D;
+        const F* sk = s.data() + k * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += sk[d] * Rk[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
+    }
+  }
+}
+
+template <typename F>
+void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, F* dR, F* dz,
+                    int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<F> s(n * D), gn(D);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      sigmoid_row(z + t * n * D, n * D, s.data());
+      const F* gt = g + t * D;
+      for (int64_t d = 0; d < D; ++d) gn[d] = gt[d] / F(n);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t row = (t * n + k) * D;
+        const F* __restrict sk = s.data() + k * D;
+        const F* __restrict gk = gn.data();
+        if (dR) {
+          F* __restrict out = dR + row;
+          for (int64_t d = 0; d < D; ++d) out[d] = sk[d] * gk[d];
+        }
+        if (dz) {
+          F* __restrict out = dz + row;
+          const F* __restrict Rk = R + row;
+          for (int64_t d = 0; d < D; ++d) out[d] = gk[d] * Rk[d] * ((F(1) - sk[d]) * sk[d]);
+        }
+      }
+    }
+  }
+}
 
 // c[e][l] = x[l][e] for l < count, 0 beyond (x: the chunk's first matrix, nn entries each)
 template <typename F>
@@ -462,13 +535,13 @@ extern "C" {
       update_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                  \
     });                          \
   }                                                                                                              \
-  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* s, F* y,       \
+  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y,       \
                                           int threads) {                                                         \
-    gated_forward<F>(T, n, D, R, s, y, threads);                                                                 \
+    gated_forward<F>(T, n, D, R, z, y, threads);                                                                 \
   }                                                                                                              \
-  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* s, const F* g, \
+  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, \
                                            F* dR, F* dz, int threads) {                                          \
-    gated_backward<F>(T, n, D, R, s, g, dR, dz, threads);                                                        \
+    gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);                                                        \
   }                                                                                                              \
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
