@@ -6,7 +6,10 @@ requires grad) through the ``cpu`` backend of each package:
   mix         ``stream_mix(H [.., 4, 96], w [.., 4])``: HC's and mHC's read
   update      ``stream_update(H, A [.., 4, 4], b, v)``: mHC's write
   sinkhorn    ``sinkhorn(logits [.., 4, 4], 20)``: mHC's write
-  gated       ``gated_mix(R, z [.., 4, 96])``: GR's read
+  gated       ``gated_mix(R, z [.., 4, 96])``: GR's read from given logits
+  gated-up    GR's read from its low-rank layer ``h [.., 12]`` and up-projection ``U [384, 12]``
+              (``gated_mix_lowrank``; at a revision whose backends lack it, ``gated_mix`` of
+              ``h @ U^T``, as GR ran there)
   branch-norm GR's per-branch RMSNorm of ``R [.., 4, 96]`` (``rms_norm`` of the backend, or
               ``ops.RMSNormFunction`` at a revision whose backends lack it, as GR ran there)
   project-C   ``ops.rms_norm_project`` of ``[.., 384]`` onto C columns of a ``[384, 24]`` matrix:
@@ -31,7 +34,7 @@ from common import import_revision, interleaved, machine, print_table, ratio_sum
 
 import attnres  # noqa: E402
 
-LEAD, N, D, ITERATIONS = (16, 128), 4, 96, 20
+LEAD, N, D, ITERATIONS, RANK = (16, 128), 4, 96, 20, 12
 
 
 def inputs() -> dict[str, torch.Tensor]:
@@ -42,7 +45,7 @@ def inputs() -> dict[str, torch.Tensor]:
 
     return dict(H=rand(*LEAD, N, D), w=rand(*LEAD, N), A=rand(*LEAD, N, N), b=rand(*LEAD, N), v=rand(*LEAD, D),
                 logits=rand(*LEAD, N, N, scale=2.0), z=rand(*LEAD, N, D), gain=rand(D), u=rand(*LEAD, N * D),
-                P=rand(N * D, 24, scale=0.05))
+                P=rand(N * D, 24, scale=0.05), h=rand(*LEAD, RANK), U=rand(N * D, RANK, scale=0.05))
 
 
 def calls(package, x: dict[str, torch.Tensor]) -> dict:
@@ -50,11 +53,14 @@ def calls(package, x: dict[str, torch.Tensor]) -> dict:
     ops = importlib.import_module(f"{package.__name__}.ops")
     cpu = ops.backend("cpu")
     branch_norm = getattr(cpu, "rms_norm", None) or ops.RMSNormFunction.apply
+    gated_up = getattr(cpu, "gated_mix_lowrank", None) or (
+        lambda R, h, U: cpu.gated_mix(R, (h @ U.T).unflatten(-1, R.shape[-2:])))
     forwards = {
         "mix": lambda: cpu.stream_mix(x["H"], x["w"]),
         "update": lambda: cpu.stream_update(x["H"], x["A"], x["b"], x["v"]),
         "sinkhorn": lambda: cpu.sinkhorn(x["logits"], ITERATIONS),
         "gated": lambda: cpu.gated_mix(x["H"], x["z"]),
+        "gated-up": lambda: gated_up(x["H"], x["h"], x["U"]),
         "branch-norm": lambda: branch_norm(x["H"], x["gain"], 1e-6),
         "project-4": lambda: ops.rms_norm_project(x["u"], x["P"][:, :4], 1e-6),
         "project-20": lambda: ops.rms_norm_project(x["u"], x["P"][:, 4:], 1e-6),

@@ -668,7 +668,7 @@ def stream_inputs(n, dim, lead, dtype, seed=0, expanded=False):
     leaf = draw(*lead, dim) if expanded else draw(*lead, n, dim)
     H = leaf.unsqueeze(-2).expand(*lead, n, dim) if expanded else leaf
     return leaf, dict(H=H, w=draw(*lead, n), A=draw(*lead, n, n), b=draw(*lead, n), v=draw(*lead, dim),
-                      z=draw(*lead, n, dim), g=draw(dim))
+                      z=draw(*lead, n, dim), g=draw(dim), hidden=draw(*lead, 3), up=draw(n * dim, 3))
 
 
 #: each operation: how it is called on a backend's operations, and the operands besides H its
@@ -679,6 +679,7 @@ STREAM_OPS = {
     "update-transposed": (lambda o, x: o.stream_update(x["H"], x["A"], x["b"], x["v"], transposed=True), "Abv"),
     "update-identity": (lambda o, x: o.stream_update(x["H"], None, x["b"], x["v"]), "bv"),
     "gated": (lambda o, x: o.gated_mix(x["H"], x["z"]), "z"),
+    "gated-lowrank": (lambda o, x: o.gated_mix_lowrank(x["H"], x["hidden"], x["up"]), ("hidden", "up")),
     "rms-norm": (lambda o, x: o.rms_norm(x["H"], x["g"], 1e-5), "g"),
 }
 
@@ -740,6 +741,9 @@ def test_stream_ops_leave_frozen_inputs_without_gradient(backend):
     x["z"].requires_grad_(False)
     ops.backend(backend).gated_mix(x["H"], x["z"]).sum().backward()
     assert x["z"].grad is None
+    x["up"].requires_grad_(False)
+    ops.backend(backend).gated_mix_lowrank(x["H"], x["hidden"], x["up"]).sum().backward()
+    assert x["up"].grad is None and x["hidden"].grad is not None
 
 
 SINKHORN = [

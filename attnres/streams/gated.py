@@ -91,9 +91,9 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         R, (rhat, z) = self._state(state, site)[:2]
         if trace is not None:  # the branch mean only where it is recorded
             record_rms(site, R.mean(-2), trace)
-        logits = self.gate_logits(rhat, site, z[..., :self.rank])
-        # mean_k(G_k * Rhat_k) from the logits, without forming G (ops' gated_mix)
-        return self._ops(R).gated_mix(rhat, logits.to(rhat.dtype))
+        hidden = F.silu(z[..., :self.rank]).to(rhat.dtype)  # [..., r]
+        # mean_k(G_k * Rhat_k), G = sigmoid(W_up hidden): the backend's op forms W_up hidden itself
+        return self._ops(R).gated_mix_lowrank(rhat, hidden, self.gate_up[site].to(rhat.dtype))
 
     def _read(self, state: PreparedStreams, i: int, trace: Trace | None) -> torch.Tensor:
         return self._gated_read(state, i, trace)

@@ -116,6 +116,13 @@ class BackendOps:
         Gradients flow to both."""
         raise NotImplementedError
 
+    def gated_mix_lowrank(self, R: torch.Tensor, h: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gated_mix(R, z)`` with the logits from GR's low-rank layer: ``z = h @ up^T``
+        unflattened to ``[..., n, D]``, ``h`` ``[..., r]`` (``R``'s leading dims), ``up``
+        ``[n D, r]``, all in ``R``'s dtype. Here the two ops one after the other; a backend may
+        form ``z`` inside its kernel. Gradients flow to all three."""
+        return self.gated_mix(R, (h @ up.T).unflatten(-1, R.shape[-2:]))
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         """``ops.rms_norm``: each row ``[..., D]`` of ``x`` over its ``D`` numbers, times the gain
         ``weight`` ``[D]`` (same dtype), in ``x``'s dtype (GR's per-branch norm, over

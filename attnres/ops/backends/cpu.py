@@ -858,6 +858,11 @@ class CpuOps(KeyStatisticsOps):
             return gated_mix_naive(R, z)
         return cpu_streams.gated_mix(R, z)
 
+    def gated_mix_lowrank(self, R, h, up):
+        if torch.compiler.is_compiling():
+            return super().gated_mix_lowrank(R, h, up)
+        return cpu_streams.gated_mix_lowrank(R, h, up)
+
     def rms_norm(self, x, weight, eps=1e-6):
         if torch.compiler.is_compiling():
             return RMSNormFunction.apply(x, weight, eps)

@@ -35,6 +35,8 @@ _SIGNATURES = {
     "stream_update_backward": [_I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32] + [_PTR] * 7 + [_I32],
     "gated_mix_forward": [_I64] * 3 + [_PTR] * 3 + [_I32],
     "gated_mix_backward": [_I64] * 3 + [_PTR] * 5 + [_I32],
+    "gated_lowrank_forward": [_I64] * 4 + [_PTR] * 4 + [_I32],
+    "gated_lowrank_backward": [_I64] * 4 + [_PTR] * 7 + [_I32],
     "rms_norm_forward": [_I64] * 2 + [_PTR] * 2 + [ctypes.c_double] + [_PTR] * 2 + [_I32],
     "rms_norm_backward": [_I64] * 2 + [_PTR] * 6 + [_I32],
     "sinkhorn_forward": [_I64] * 3 + [_PTR, _PTR, _I32],
@@ -158,6 +160,44 @@ class GatedMixFunction(torch.autograd.Function):
         return dR, dz
 
 
+class GatedMixLowRankFunction(torch.autograd.Function):
+    """``gated_mix(R, z)`` with ``z = (h @ U^T)`` ``[..., n, D]`` formed in the kernel, token by
+    token, from GR's low-rank hidden layer ``h`` ``[..., r]`` and its up-projection ``U``
+    ``[n D, r]``: the logits and the gates never pass through memory, and backward forms
+    ``dh = dz U`` and ``dU = dz^T h`` in the same pass instead of two products over ``[tokens, n D]``.
+    Keeps ``R``, ``h`` and ``U^T`` (padded with zero columns to whole 64-byte vectors, the
+    kernel's unit)."""
+
+    @staticmethod
+    def forward(ctx, R, h, up):
+        n, D = R.shape[-2:]
+        m, r = n * D, h.shape[-1]
+        lanes = 64 // R.element_size()
+        upT = up.new_zeros(r, -(-m // lanes) * lanes)  # U^T [r, mp]
+        upT[:, :m] = up.t()
+        R, h = R.contiguous(), h.contiguous()
+        y = torch.empty(R.shape[:-2] + (D,), dtype=R.dtype)
+        _kernel("gated_lowrank_forward", R.dtype)(R.numel() // m, n, D, r, _ptr(R), _ptr(h), _ptr(upT), _ptr(y),
+                                                  _threads())
+        ctx.save_for_backward(R, h, upT)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        R, h, upT = ctx.saved_tensors
+        n, D = R.shape[-2:]
+        m, (r, mp) = n * D, upT.shape
+        g = g.contiguous()  # held here: a temporary's memory would be freed before the kernel reads it
+        threads = _threads()
+        dR = torch.empty_like(R) if ctx.needs_input_grad[0] else None
+        dh = torch.empty_like(h) if ctx.needs_input_grad[1] else None
+        d_upT = torch.zeros(threads, r, mp, dtype=R.dtype) if ctx.needs_input_grad[2] else None
+        _kernel("gated_lowrank_backward", R.dtype)(R.numel() // m, n, D, r, _ptr(R), _ptr(h), _ptr(upT), _ptr(g),
+                                                   _ptr(dR), _ptr(dh), _ptr(d_upT), threads)
+        return dR, dh, None if d_upT is None else d_upT.sum(0)[:, :m].t()
+
+
 class RMSNormRowsFunction(torch.autograd.Function):
     """``ops.rms_norm`` of rows ``x`` ``[..., D]`` with the gain ``weight`` ``[D]``, one pass over
     ``x`` per direction where PyTorch's ops make several over ``[..., D]`` memory (GR normalizes
@@ -222,6 +262,10 @@ def stream_update(H: Tensor, A: Tensor | None, b: Tensor, v: Tensor, transposed:
 
 def gated_mix(R: Tensor, z: Tensor) -> Tensor:
     return GatedMixFunction.apply(R, z)
+
+
+def gated_mix_lowrank(R: Tensor, h: Tensor, up: Tensor) -> Tensor:
+    return GatedMixLowRankFunction.apply(R, h, up)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -11,7 +11,8 @@
 // Notation (per token t; streams k, j; d in [0, D)):
 //   mix:      y[d] = sum_k w[k] H[k, d]
 //   update:   out[j, d] = sum_k A[j, k] H[k, d] + b[j] v[d]     (A given transposed, or the identity)
-//   gated:    y[d] = (1/n) sum_k s[k, d] R[k, d]                 (GR's read: gates s = sigmoid(z))
+//   gated:    y[d] = (1/n) sum_k s[k, d] R[k, d]                 (GR's read: gates s = sigmoid(z),
+//             z given, or z = U h from GR's low-rank layer h [T, r])
 //   sinkhorn: p = exp(x - max x); then `iterations` times: rows, then columns, scaled to sum 1
 //             (each sum clamped below at the smallest normal number, multiplied by its reciprocal)
 //   rms_norm: y[d] = x[d] rr w[d], rr = 1 / sqrt(mean_d x[d]^2 + eps)  (per row of D numbers)
@@ -282,6 +283,28 @@ inline void sigmoid_row(const F* z, int64_t m, F* s) {
 // GR's read from the logits z of its gates, s = sigmoid(z) formed token by token in the kernel
 // (vectorized, in forward and again in backward: nothing but R and z is kept):
 //   y = (1/n) sum_k s_k R_k;  dR = s g / n;  dz = (g / n) R s (1 - s)
+// One token: R, s, dR and dz n rows of D numbers; dR and dz may be null (not needed).
+template <typename F>
+inline void gated_row(int64_t n, int64_t D, const F* __restrict R, const F* __restrict s, F* __restrict y) {
+  for (int64_t d = 0; d < D; ++d) y[d] = 0;
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t d = 0; d < D; ++d) y[d] += s[k * D + d] * R[k * D + d];
+  for (int64_t d = 0; d < D; ++d) y[d] /= F(n);
+}
+
+template <typename F>
+inline void gated_row_backward(int64_t n, int64_t D, const F* __restrict R, const F* __restrict s,
+                               const F* __restrict g, F* __restrict gn, F* __restrict dR, F* __restrict dz) {
+  for (int64_t d = 0; d < D; ++d) gn[d] = g[d] / F(n);
+  for (int64_t k = 0; k < n; ++k) {
+    const F* sk = s + k * D;
+    if (dR)
+      for (int64_t d = 0; d < D; ++d) dR[k * D + d] = sk[d] * gn[d];
+    if (dz)
+      for (int64_t d = 0; d < D; ++d) dz[k * D + d] = gn[d] * R[k * D + d] * ((F(1) - sk[d]) * sk[d]);
+  }
+}
+
 template <typename F>
 void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, int threads) {
 #pragma omp parallel num_threads(threads)
@@ -290,14 +313,7 @@ void gated_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       sigmoid_row(z + t * n * D, n * D, s.data());
-      F* out = y + t * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = 0;
-      for (int64_t k = 0; k < n; ++k) {
-        const F* Rk = R + (t * n + k) * D;
-        const F* sk = s.data() + k * D;
-        for (int64_t d = 0; d < D; ++d) out[d] += sk[d] * Rk[d];
-      }
-      for (int64_t d = 0; d < D; ++d) out[d] /= F(n);
+      gated_row(n, D, R + t * n * D, s.data(), y + t * D);
     }
   }
 }
@@ -311,22 +327,102 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, con
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       sigmoid_row(z + t * n * D, n * D, s.data());
-      const F* gt = g + t * D;
-      for (int64_t d = 0; d < D; ++d) gn[d] = gt[d] / F(n);
-      for (int64_t k = 0; k < n; ++k) {
-        const int64_t row = (t * n + k) * D;
-        const F* __restrict sk = s.data() + k * D;
-        const F* __restrict gk = gn.data();
-        if (dR) {
-          F* __restrict out = dR + row;
-          for (int64_t d = 0; d < D; ++d) out[d] = sk[d] * gk[d];
+      gated_row_backward(n, D, R + t * n * D, s.data(), g + t * D, gn.data(), dR ? dR + t * n * D : nullptr,
+                         dz ? dz + t * n * D : nullptr);
+    }
+  }
+}
+
+// GR's read with its gates' logits formed in the kernel from the low-rank hidden layer h [T, r]
+// and the up-projection, given transposed and padded (U^T [r, mp], m = n D numbers, then zeros up
+// to mp, a whole number of vectors; likewise the partial sums of dU^T): z = sum_j h_j U^T_j, token by
+// token, a vector of m at a time held in a register across the r terms, in forward and again
+// in backward, so that neither z nor the gates pass through memory. Backward: dR and dz as
+// above, then dh_j = dz . U^T_j and dU^T_j += h_j dz over a block of tokens at a time (one load
+// and store of dU^T per block; per-thread partial sums [threads, r, m], added by the caller).
+template <typename F>
+inline lanes<F> load_lanes(const F* p) {
+  lanes<F> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename F>
+inline void store_lanes(F* p, lanes<F> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+// the padded width of m numbers: a whole number of vectors
+template <typename F>
+constexpr int64_t padded(int64_t m) {
+  return (m + LANES<F> - 1) / LANES<F> * LANES<F>;
+}
+
+// s = sigmoid(h U) for one token: mp numbers, the first m of them gates
+template <typename F>
+inline void lowrank_gates(const F* __restrict h, const F* __restrict upT, int64_t r, int64_t mp, F* __restrict s) {
+  constexpr int64_t W = LANES<F>;
+  for (int64_t i = 0; i < mp; i += W) {
+    lanes<F> z = h[0] * load_lanes(upT + i);
+    for (int64_t j = 1; j < r; ++j) z += h[j] * load_lanes(upT + j * mp + i);
+    store_lanes(s + i, sigmoid_lanes<F>(z));
+  }
+}
+
+constexpr int64_t kTokenBlock = 4;
+
+template <typename F>
+void gated_lowrank_forward(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, const F* upT, F* y,
+                           int threads) {
+  const int64_t m = n * D, mp = padded<F>(m);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<F> s(mp);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      lowrank_gates(h + t * r, upT, r, mp, s.data());
+      gated_row(n, D, R + t * m, s.data(), y + t * D);
+    }
+  }
+}
+
+template <typename F>
+void gated_lowrank_backward(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, const F* upT,
+                            const F* g, F* dR, F* dh, F* d_upT, int threads) {
+  constexpr int64_t W = LANES<F>, B = kTokenBlock;
+  const int64_t m = n * D, mp = padded<F>(m), blocks = (T + B - 1) / B;
+#pragma omp parallel num_threads(threads)
+  {
+    F* d_up = d_upT ? d_upT + omp_get_thread_num() * r * mp : nullptr;
+    std::vector<F> s(mp), dz(B * mp), gn(D);  // dz past m stays 0
+    std::vector<lanes<F>> acc(r);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t t0 = blk * B, nb = T - t0 < B ? T - t0 : B;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t = t0 + b;
+        F* dzb = dz.data() + b * mp;
+        lowrank_gates(h + t * r, upT, r, mp, s.data());
+        gated_row_backward(n, D, R + t * m, s.data(), g + t * D, gn.data(), dR ? dR + t * m : nullptr, dzb);
+        if (!dh) continue;
+        for (int64_t j = 0; j < r; ++j) acc[j] = lanes<F>{};
+        for (int64_t i = 0; i < mp; i += W) {
+          const lanes<F> d = load_lanes(dzb + i);
+          for (int64_t j = 0; j < r; ++j) acc[j] += d * load_lanes(upT + j * mp + i);
         }
-        if (dz) {
-          F* __restrict out = dz + row;
-          const F* __restrict Rk = R + row;
-          for (int64_t d = 0; d < D; ++d) out[d] = gk[d] * Rk[d] * ((F(1) - sk[d]) * sk[d]);
+        for (int64_t j = 0; j < r; ++j) {
+          F lane[LANES<F>];
+          __builtin_memcpy(lane, &acc[j], sizeof(lane));
+          dh[t * r + j] = lane_sum(lane);
         }
       }
+      if (!d_up) continue;
+      for (int64_t j = 0; j < r; ++j)
+        for (int64_t i = 0; i < mp; i += W) {
+          lanes<F> u = load_lanes(d_up + j * mp + i);
+          for (int64_t b = 0; b < nb; ++b) u += h[(t0 + b) * r + j] * load_lanes(dz.data() + b * mp + i);
+          store_lanes(d_up + j * mp + i, u);
+        }
     }
   }
 }
@@ -542,6 +638,14 @@ extern "C" {
   void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, \
                                            F* dR, F* dz, int threads) {                                          \
     gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);                                                        \
+  }                                                                                                              \
+  void attnres_gated_lowrank_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, \
+                                              const F* upT, F* y, int threads) {                                   \
+    gated_lowrank_forward<F>(T, n, D, r, R, h, upT, y, threads);                                                   \
+  }                                                                                                              \
+  void attnres_gated_lowrank_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h,\
+                                               const F* upT, const F* g, F* dR, F* dh, F* d_upT, int threads) {  \
+    gated_lowrank_backward<F>(T, n, D, r, R, h, upT, g, dR, dh, d_upT, threads);                                   \
   }                                                                                                              \
   void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
                                          int threads) {                                                          \
