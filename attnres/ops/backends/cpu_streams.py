@@ -170,6 +170,9 @@ class GatedMixLowRankFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, R, h, up):
+        if h.dtype != R.dtype or up.dtype != R.dtype:  # the kernel reads all three through one pointer type
+            raise TypeError(f"gated_mix_lowrank takes R, h and up of one dtype, given {R.dtype}, {h.dtype} "
+                            f"and {up.dtype}")
         n, D = R.shape[-2:]
         m, r = n * D, h.shape[-1]
         lanes = 64 // R.element_size()
