@@ -859,8 +859,8 @@ class CpuOps(KeyStatisticsOps):
         return cpu_streams.gated_mix(R, z)
 
     def gated_mix_lowrank(self, R, h, up):
-        if torch.compiler.is_compiling():
-            return super().gated_mix_lowrank(R, h, up)
+        if torch.compiler.is_compiling() or up.numel() * up.element_size() > cpu_streams.LOWRANK_KERNEL_BYTES:
+            return super().gated_mix_lowrank(R, h, up)  # the product, then gated_mix's kernel
         return cpu_streams.gated_mix_lowrank(R, h, up)
 
     def rms_norm(self, x, weight, eps=1e-6):

@@ -160,6 +160,13 @@ class GatedMixFunction(torch.autograd.Function):
         return dR, dz
 
 
+#: the largest up-projection (bytes) ``gated_mix_lowrank`` forms the logits from in its kernel: the
+#: kernel reads all of ``U^T`` once per token, from the core's caches; past this the BLAS product
+#: then ``gated_mix`` is faster (``benchmarks/gated_lowrank.py``, docs/BENCHMARKS.md "Tuning
+#: choices in the code")
+LOWRANK_KERNEL_BYTES = 32 * 1024
+
+
 class GatedMixLowRankFunction(torch.autograd.Function):
     """``gated_mix(R, z)`` with ``z = (h @ U^T)`` ``[..., n, D]`` formed in the kernel, token by
     token, from GR's low-rank hidden layer ``h`` ``[..., r]`` and its up-projection ``U``
