@@ -557,8 +557,7 @@ def attend_op(qg: Tensor | None, sources: list[Tensor], inv_rms: list[Tensor],
     """``mix_forward`` as an op: ``(outs, lse, norm_rr)``, ``norm_rr`` ``[..., 1]`` with the
     fused norm (``norm_eps`` set) and empty without. Every tensor in the sources' dtype."""
     norm = None if norm_eps is None else (norm_weight, norm_eps)
-    outs, lse, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm,
-                                        logits=logits)
+    outs, lse, norm_rr = mix_forward(sources, inv_rms, qg, heads, score, key_norm, norm, logits=logits)
     return list(outs), lse, lse.new_empty(0) if norm_rr is None else norm_rr
 
 
@@ -812,8 +811,7 @@ class CpuOps(KeyStatisticsOps):
                                      norm_eps, logits.shape[-1], score, False)
             return tuple(outs), lse
         norm = None if norm is None else (weight, norm_eps)
-        outs, lse, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm,
-                                      logits=logits)
+        outs, lse, _ = mix_forward(sources, None, None, logits.shape[-1], score, False, norm, logits=logits)
         return outs, lse
 
     def source_grad(self, source, inv_rms, reads, grad=None, *, heads=1, eps=1e-6, score="softmax",
