@@ -9,7 +9,9 @@ number of operator calls (top-level ATen calls, those the Python code makes; the
 them are not counted again), the time spent inside them, and the rest (Python, autograd's
 engine between nodes, the allocator, and the C++ kernels, which are ctypes calls outside ATen);
 then ``--steps`` more under cProfile for ``kernels_ms``, the time in the C++ kernels
-(``kernel_time``). ``--top`` lists the operators with the most self time beyond PreNorm's.
+(``kernel_time``), and ``--steps`` more timing each kernel call by its name (``kernel_split``,
+written to ``<csv>_kernels.csv``). ``--top`` lists the operators with the most self time beyond
+PreNorm's.
 
     python benchmarks/demo_profile.py
     python benchmarks/demo_profile.py --designs prenorm mhc --top 15
@@ -70,7 +72,7 @@ def profile_design(design: str, warmup: int, steps: int):
             self_by_op[e.name] += e.self_cpu_time_total / 1e3 / steps  # ms per step
     inside = sum(e.cpu_time_total for e in events) / 1e3 / steps
     return dict(design=design, step_ms=plain * 1e3, op_calls=len(events) / steps, in_ops_ms=inside,
-                outside_ops_ms=None, kernels_ms=kernel_time(step, steps)), self_by_op
+                outside_ops_ms=None, kernels_ms=kernel_time(step, steps)), self_by_op, kernel_split(step, steps)
 
 
 def kernel_time(step, steps: int) -> float:
@@ -87,6 +89,43 @@ def kernel_time(step, steps: int) -> float:
               if path.endswith(os.path.join("backends", "cpu.py")) and name == "_call"
               or path.endswith(os.path.join("backends", "cpu_streams.py")))
     return own * 1e3 / steps
+
+
+def kernel_split(step, steps: int) -> dict[str, tuple[float, float]]:
+    """``{kernel: (ms per step, calls per step)}`` of the C++ kernels over ``steps`` more steps,
+    each foreign call timed under its name (``cpu._call``'s depth-attention kernels and the
+    functions ``cpu_streams._kernel`` hands out)."""
+    from attnres.ops.backends import cpu, cpu_streams
+
+    spent, calls = collections.Counter(), collections.Counter()
+
+    def record(name: str, start: float) -> None:
+        spent[name] += time.perf_counter() - start
+        calls[name] += 1
+
+    depth_call, stream_kernel = cpu._call, cpu_streams._kernel
+
+    def timed_call(name, dtype, args):
+        start = time.perf_counter()
+        depth_call(name, dtype, args)
+        record(name, start)
+
+    def timed_kernel(name, dtype):
+        fn = stream_kernel(name, dtype)
+
+        def call(*args):
+            start = time.perf_counter()
+            fn(*args)
+            record(name, start)
+        return call
+
+    cpu._call, cpu_streams._kernel = timed_call, timed_kernel
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        cpu._call, cpu_streams._kernel = depth_call, stream_kernel
+    return {name: (1e3 * spent[name] / steps, calls[name] / steps) for name in spent}
 
 
 def _has_aten_parent(event) -> bool:
@@ -111,10 +150,12 @@ def main() -> None:
         args.designs.insert(0, "prenorm")
     torch.set_num_threads(torch.get_num_threads())
     print(machine())
-    rows, by_op = [], {}
+    rows, by_op, by_kernel = [], {}, []
     sites = demo().model.n_layers * 2
     for design in args.designs:
-        row, ops = profile_design(design, args.warmup, args.steps)
+        row, ops, kernels = profile_design(design, args.warmup, args.steps)
+        by_kernel += [dict(design=design, kernel=name, ms_per_step=ms, calls_per_step=n)
+                      for name, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])]
         row["outside_ops_ms"] = row["step_ms"] - row["in_ops_ms"]
         rows.append(row)
         by_op[design] = ops
@@ -128,7 +169,10 @@ def main() -> None:
         extra = {op: ms - by_op["prenorm"].get(op, 0.0) for op, ms in by_op[design].items()}
         top = sorted(extra.items(), key=lambda kv: -kv[1])[: args.top]
         print(f"{design}: self ms per step beyond prenorm: " + ", ".join(f"{op[6:]} {ms:.1f}" for op, ms in top))
+    if by_kernel:
+        print_table(by_kernel, ["design", "kernel", "ms_per_step", "calls_per_step"])
     print(f"wrote {write_csv(args.csv, rows)}")
+    print(f"wrote {write_csv(args.csv + '_kernels', by_kernel)}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -335,11 +336,10 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, con
 
 // GR's read with its gates' logits formed in the kernel from the low-rank hidden layer h [T, r]
 // and the up-projection, given transposed and padded (U^T [r, mp], m = n D numbers, then zeros up
-// to mp, a whole number of vectors; likewise the partial sums of dU^T): z = sum_j h_j U^T_j, token by
-// token, a vector of m at a time held in a register across the r terms, in forward and again
-// in backward, so that neither z nor the gates pass through memory. Backward: dR and dz as
-// above, then dh_j = dz . U^T_j and dU^T_j += h_j dz over a block of tokens at a time (one load
-// and store of dU^T per block; per-thread partial sums [threads, r, m], added by the caller).
+// to mp, a whole number of vectors; likewise the partial sums of dU^T): z = sum_j h_j U^T_j for a
+// block of tokens at a time, in forward and again in backward, so that neither z nor the gates
+// pass through memory. Backward: dR and dz as above, then dh_j = dz . U^T_j and
+// dU^T_j += h_j dz for the block (per-thread partial sums [threads, r, mp], added by the caller).
 template <typename F>
 inline lanes<F> load_lanes(const F* p) {
   lanes<F> v;
@@ -358,30 +358,49 @@ constexpr int64_t padded(int64_t m) {
   return (m + LANES<F> - 1) / LANES<F> * LANES<F>;
 }
 
-// s = sigmoid(h U) for one token: mp numbers, the first m of them gates
+constexpr int64_t kTokenBlock = 4;
+
+// The gates of a block of kTokenBlock tokens, s_b = sigmoid(h_b U) (mp numbers each, the first m
+// of them gates), from their hidden layers hb [kTokenBlock, r] (rows past the block's tokens
+// zero): a vector of each token's logits in a register across the r terms, each vector of U^T
+// loaded once for the block's tokens.
 template <typename F>
-inline void lowrank_gates(const F* __restrict h, const F* __restrict upT, int64_t r, int64_t mp, F* __restrict s) {
-  constexpr int64_t W = LANES<F>;
+inline void lowrank_gates(const F* __restrict hb, const F* __restrict upT, int64_t r, int64_t mp, F* __restrict s) {
+  constexpr int64_t W = LANES<F>, B = kTokenBlock;
   for (int64_t i = 0; i < mp; i += W) {
-    lanes<F> z = h[0] * load_lanes(upT + i);
-    for (int64_t j = 1; j < r; ++j) z += h[j] * load_lanes(upT + j * mp + i);
-    store_lanes(s + i, sigmoid_lanes<F>(z));
+    lanes<F> z[B];
+    const lanes<F> u0 = load_lanes(upT + i);
+    for (int64_t b = 0; b < B; ++b) z[b] = hb[b * r] * u0;
+    for (int64_t j = 1; j < r; ++j) {
+      const lanes<F> u = load_lanes(upT + j * mp + i);
+      for (int64_t b = 0; b < B; ++b) z[b] += hb[b * r + j] * u;
+    }
+    for (int64_t b = 0; b < B; ++b) store_lanes(s + b * mp + i, sigmoid_lanes<F>(z[b]));
   }
 }
 
-constexpr int64_t kTokenBlock = 4;
+// the hidden layers of the block of tokens t0.. (nb of them) as kTokenBlock rows, zeros past nb
+template <typename F>
+inline const F* block_rows(const F* h, int64_t t0, int64_t nb, int64_t r, std::vector<F>& padded_rows) {
+  if (nb == kTokenBlock) return h + t0 * r;
+  std::fill(padded_rows.begin(), padded_rows.end(), F(0));
+  std::copy(h + t0 * r, h + (t0 + nb) * r, padded_rows.begin());
+  return padded_rows.data();
+}
 
 template <typename F>
 void gated_lowrank_forward(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, const F* upT, F* y,
                            int threads) {
-  const int64_t m = n * D, mp = padded<F>(m);
+  constexpr int64_t B = kTokenBlock;
+  const int64_t m = n * D, mp = padded<F>(m), blocks = (T + B - 1) / B;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<F> s(mp);
+    std::vector<F> s(B * mp), rows(B * r);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      lowrank_gates(h + t * r, upT, r, mp, s.data());
-      gated_row(n, D, R + t * m, s.data(), y + t * D);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t t0 = blk * B, nb = T - t0 < B ? T - t0 : B;
+      lowrank_gates(block_rows(h, t0, nb, r, rows), upT, r, mp, s.data());
+      for (int64_t b = 0; b < nb; ++b) gated_row(n, D, R + (t0 + b) * m, s.data() + b * mp, y + (t0 + b) * D);
     }
   }
 }
@@ -394,35 +413,38 @@ void gated_lowrank_backward(int64_t T, int64_t n, int64_t D, int64_t r, const F*
 #pragma omp parallel num_threads(threads)
   {
     F* d_up = d_upT ? d_upT + omp_get_thread_num() * r * mp : nullptr;
-    std::vector<F> s(mp), dz(B * mp), gn(D);  // dz past m stays 0
-    std::vector<lanes<F>> acc(r);
+    std::vector<F> s(B * mp), dz(B * mp), gn(D), rows(B * r);  // dz past m, and past nb tokens, is 0
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t t0 = blk * B, nb = T - t0 < B ? T - t0 : B;
+      const F* hb = block_rows(h, t0, nb, r, rows);
+      lowrank_gates(hb, upT, r, mp, s.data());
+      if (nb < B) std::fill(dz.begin(), dz.end(), F(0));
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t t = t0 + b;
-        F* dzb = dz.data() + b * mp;
-        lowrank_gates(h + t * r, upT, r, mp, s.data());
-        gated_row_backward(n, D, R + t * m, s.data(), g + t * D, gn.data(), dR ? dR + t * m : nullptr, dzb);
-        if (!dh) continue;
-        for (int64_t j = 0; j < r; ++j) acc[j] = lanes<F>{};
-        for (int64_t i = 0; i < mp; i += W) {
-          const lanes<F> d = load_lanes(dzb + i);
-          for (int64_t j = 0; j < r; ++j) acc[j] += d * load_lanes(upT + j * mp + i);
-        }
-        for (int64_t j = 0; j < r; ++j) {
-          F lane[LANES<F>];
-          __builtin_memcpy(lane, &acc[j], sizeof(lane));
-          dh[t * r + j] = lane_sum(lane);
-        }
+        gated_row_backward(n, D, R + t * m, s.data() + b * mp, g + t * D, gn.data(), dR ? dR + t * m : nullptr,
+                           dz.data() + b * mp);
       }
-      if (!d_up) continue;
-      for (int64_t j = 0; j < r; ++j)
-        for (int64_t i = 0; i < mp; i += W) {
-          lanes<F> u = load_lanes(d_up + j * mp + i);
-          for (int64_t b = 0; b < nb; ++b) u += h[(t0 + b) * r + j] * load_lanes(dz.data() + b * mp + i);
-          store_lanes(d_up + j * mp + i, u);
+      if (dh)  // dh_b,j = dz_b . U^T_j: the block's sums in registers, each vector of U^T loaded once
+        for (int64_t j = 0; j < r; ++j) {
+          lanes<F> acc[B] = {};
+          for (int64_t i = 0; i < mp; i += W) {
+            const lanes<F> u = load_lanes(upT + j * mp + i);
+            for (int64_t b = 0; b < B; ++b) acc[b] += load_lanes(dz.data() + b * mp + i) * u;
+          }
+          for (int64_t b = 0; b < nb; ++b) {
+            F lane[LANES<F>];
+            __builtin_memcpy(lane, &acc[b], sizeof(lane));
+            dh[(t0 + b) * r + j] = lane_sum(lane);
+          }
         }
+      if (d_up)  // dU^T_j += sum_b h_b,j dz_b: one load and store of dU^T per block
+        for (int64_t j = 0; j < r; ++j)
+          for (int64_t i = 0; i < mp; i += W) {
+            lanes<F> u = load_lanes(d_up + j * mp + i);
+            for (int64_t b = 0; b < B; ++b) u += hb[b * r + j] * load_lanes(dz.data() + b * mp + i);
+            store_lanes(d_up + j * mp + i, u);
+          }
     }
   }
 }
