@@ -164,7 +164,7 @@ class GatedMixFunction(torch.autograd.Function):
 #: kernel reads all of ``U^T`` once per token, from the core's caches; past this the BLAS product
 #: then ``gated_mix`` is faster (``benchmarks/gated_lowrank.py``, docs/BENCHMARKS.md "Tuning
 #: choices in the code")
-LOWRANK_KERNEL_BYTES = 32 * 1024
+LOWRANK_KERNEL_BYTES = 128 * 1024
 
 
 class GatedMixLowRankFunction(torch.autograd.Function):
