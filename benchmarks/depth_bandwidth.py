@@ -1,11 +1,11 @@
 """Whether the depth-attention kernels run at the memory's speed: the rate a plain read streams
 at on this machine, against the rate the ``cpu`` backend's forward reads its sources at.
 
-``stream`` rows: ``x.sum()`` of a float32 tensor of each size in MiB (2 threads), the bytes read
-per second; sizes below the last-level cache show the cache's rate, the largest the memory's.
+``stream`` rows: ``x.sum()`` of a float32 tensor of each size in MiB (PyTorch's threads), the
+bytes read per second; sizes below the last-level cache show the cache's rate, the largest the memory's.
 ``attend`` rows: one read of ``--sources`` sources of ``[16, 128, 96]`` (fp32, the demo size's
 tokens and width; a Full read near the end of the model), its pre-norm fused, autograd off, on
-the ``cpu`` backend; ``warm`` repeats one set of sources (left in the cache by the previous
+the ``cpu`` backend, the whole call (its checks and allocations included); ``warm`` repeats one set of sources (left in the cache by the previous
 call), ``cold`` cycles through ``--sets`` sets (more than the last-level cache holds), and the
 rate counts each source's bytes once per call. A round times each row once, in turn; a figure is
 the median over ``--rounds`` rounds, with the min..max.

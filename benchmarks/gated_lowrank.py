@@ -5,8 +5,9 @@ up-projection.
 
 Each size is GR's at a model width ``dim``: 4 branches (``n D = 4 dim``), rank ``dim // 8``,
 2048 tokens (16 x 128), fp32; forward and backward, every input requiring grad. The kernel
-reads ``U^T`` (``r x n D`` numbers) once per token, so its time grows with ``U``'s size past what
-the core's caches hold, where the BLAS product reads it once per block of rows. Both calls
+reads ``U^T`` (``r x n D`` numbers) once per block of 4 tokens, so its time grows with ``U``'s
+size past what the core's caches hold, where the BLAS product reads it once per larger block of
+rows. Both calls
 alternate in every round; a figure is the median of the per-round ratios kernel / product.
 
     python benchmarks/gated_lowrank.py

@@ -11,8 +11,9 @@ import torch
 
 from attnres import build_stream
 from attnres.ops import backend, depth_attention, registry
-from attnres.ops.backends import cpu, cpu_build
+from attnres.ops.backends import cpu, cpu_build, cpu_streams
 from attnres.ops.backends.common import inverse_rms
+from attnres.ops.backends.naive import gated_mix_naive
 
 from .test_backends import Norm, grads, make
 
@@ -455,12 +456,11 @@ def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@needs_kernels
 def test_the_gates_exponential_is_as_close_as_torch_sigmoid():
     """GR's gates come from the kernels' own vectorized exponential (fp32): over the logits a
     gate takes short of underflow, within 2 units in the last place of the exact sigmoid
     (torch.sigmoid's own error here is 1.4e-7 relative), and 0 < gate <= 1 beyond."""
-    from attnres.ops.backends import cpu_streams
-
     z = torch.linspace(-80, 80, 100_003)[None, None]  # [1, n=1, D]: the read is the gate itself
     gate = cpu_streams.gated_mix(torch.ones_like(z), z)[0]
     exact = torch.sigmoid(z[0, 0].double())
@@ -468,6 +468,61 @@ def test_the_gates_exponential_is_as_close_as_torch_sigmoid():
     far = torch.tensor([[[-1e4, -200.0, -88.5, 88.5, 200.0, 1e4]]])
     far_gate = cpu_streams.gated_mix(torch.ones_like(far), far)[0]
     assert (far_gate > 0).all() and (far_gate <= 1).all() and far_gate[-1] == 1 and far_gate[0] < 1e-37
+    nan = cpu_streams.gated_mix(torch.ones(1, 1, 3), torch.tensor([[[float("nan"), 0.0, 1.0]]]))[0]
+    assert nan.isnan().tolist() == [True, False, False]  # a NaN logit is not clamped into a gate
     # the low-rank kernel's gates: logits z = 1 * U from a rank-1 layer, the same exponential
     lowrank = cpu_streams.gated_mix_lowrank(torch.ones(1, 1, 7), torch.ones(1, 1), z[0, 0, :7, None].clone())
     assert torch.equal(lowrank[0], gate[:7])
+
+
+@needs_kernels
+def test_the_lowrank_gates_do_not_depend_on_the_thread_count():
+    """Per-thread partial sums of dU, over tokens in blocks of 4 (67 tokens: a partial block)."""
+    g = torch.Generator().manual_seed(0)
+    R, h, up = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((67, 3, 10), (67, 5), (30, 5)))
+    inputs = [t.requires_grad_() for t in (R, h, up)]
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = cpu_streams.gated_mix_lowrank(*inputs)
+            results.append((out, *torch.autograd.grad(out, inputs, torch.ones_like(out))))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+
+
+@needs_kernels
+def test_a_large_up_projection_takes_the_product_then_the_gated_kernel(monkeypatch):
+    """Past ``LOWRANK_KERNEL_BYTES`` the backend forms the logits with a product and mixes them with
+    ``gated_mix``: the same numbers as the reference, forward and backward."""
+    monkeypatch.setattr(cpu_streams, "LOWRANK_KERNEL_BYTES", 0)
+    monkeypatch.setattr(cpu_streams, "GatedMixLowRankFunction", None)  # would fail if called
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(*shape, generator=g).requires_grad_() for shape in ((9, 4, 12), (9, 3), (48, 3))]
+    fast, ref = backend("cpu").gated_mix_lowrank(*inputs), backend("naive").gated_mix_lowrank(*inputs)
+    torch.testing.assert_close(fast, ref)
+    cot = torch.randn_like(ref)
+    for a, b in zip(grads(fast, inputs, cot), grads(ref, inputs, cot)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("R,h,up,message", [
+    ((2, 3, 4), (5, 2), (12, 2), r"h \[\.\.\., r\] \(R's leading dims"),
+    ((2, 3, 4), (2, 2), (1, 2), r"up \(1, 2\)"),
+    ((2, 3, 4), (2, 0), (12, 0), r"r >= 1"),
+])
+def test_the_lowrank_kernel_refuses_shapes_it_cannot_read(R, h, up, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_streams.gated_mix_lowrank(torch.ones(R), torch.ones(h), torch.ones(up))
+
+
+@needs_kernels
+def test_the_gated_kernel_refuses_logits_of_another_shape_and_reads_others_in_rs_dtype():
+    with pytest.raises(ValueError, match=r"logits z of R's shape"):
+        cpu_streams.gated_mix(torch.ones(2, 3, 4), torch.ones(1, 3, 4))
+    R, z = torch.randn(2, 3, 4), torch.randn(2, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(cpu_streams.gated_mix(R, z), gated_mix_naive(R, z.float()))

@@ -66,7 +66,7 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         through RMSNorm with the gain ``1 + w``, on the backend's ``rms_norm`` (one op that keeps
         only ``R`` and the inverse RMS). ``z`` ``[..., r (+ n_r)]``: ``vec(Rhat) / n_r`` through
         the read's ``W_down`` and, but at the output, the write's ``W_inject``, in one product (in
-        fp32 at least). The read and the write of the site both take them."""
+        fp32 at least, outside autocast). The read and the write of the site both take them."""
         rhat = self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
         dt = torch.promote_types(rhat.dtype, torch.float32)
         W = self.gate_down[site]  # [r, n_r D], then [n_r, n_r D] of the write
@@ -75,11 +75,12 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         # (vec(Rhat) W^T) / n_r: the division on the r + n_r numbers rather than on vec(Rhat)
         return rhat, (rhat.flatten(-2).to(dt) @ W.T.to(dt)) / self.streams
 
-    def gate_logits(self, rhat: torch.Tensor, site: int, down: torch.Tensor | None = None) -> torch.Tensor:
-        """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``;
-        ``down``: ``W_down vec(Rhat) / n_r`` ``[..., r]`` when already formed (``_prepare``)."""
-        if down is None:
-            down = (rhat.flatten(-2) @ self.gate_down[site].T) / self.streams
+    def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
+        """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``,
+        the down-projection in fp32 at least as ``_prepare`` forms it (for analysis: a pass
+        takes them from the prepared state)."""
+        dt = torch.promote_types(rhat.dtype, torch.float32)
+        down = (rhat.flatten(-2).to(dt) @ self.gate_down[site].T.to(dt)) / self.streams
         hidden = F.silu(down).to(rhat.dtype)  # [..., r]
         return (hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 

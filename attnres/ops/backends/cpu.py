@@ -10,7 +10,7 @@ per product and sum.
 
 What it keeps for backward: references to the sources, their inverse RMS, ``lse``
 ``[S, ..., H]`` and, with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of
-its own (backward recomputes the first output when its norm needs it), and not the logits
+its own (backward recomputes the first output, to rounding, when its norm needs it), and not the logits
 ``[N, S, ..., H]``, which backward computes again from the rows it reads anyway.
 
 Sources that an ``ops.source_ledger`` tracks (training: the completed sources) get no gradient

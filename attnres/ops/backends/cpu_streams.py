@@ -4,8 +4,9 @@ Sinkhorn-Knopp and GR's per-branch RMSNorm, each forward and backward one pass o
 (or the matrices).
 
 Each is an autograd function keeping its inputs and little else: the mix and the update form
-their gradients from ``H``, the weights and ``v``; the gated mix keeps the gates in place of
-their logits, the RMSNorm one inverse RMS per row; Sinkhorn's backward runs the iterations again
+their gradients from ``H``, the weights and ``v``; the gated mix keeps ``R`` and the gates'
+logits (or GR's low-rank layer and ``U^T``) and forms the gates again, the RMSNorm one inverse
+RMS per row; Sinkhorn's backward runs the iterations again
 per chunk of matrices from the logits and then reverses them, so it keeps neither the
 ``2 x iterations`` intermediate matrices autograd would keep nor anything beyond the logits.
 A pointer handed to a kernel is always that of a tensor held in a local name.
@@ -140,8 +141,11 @@ class GatedMixFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, R, z):
+        if z.shape != R.shape:
+            raise ValueError(f"gated_mix takes logits z of R's shape [..., n, D], given z {tuple(z.shape)} for R "
+                             f"{tuple(R.shape)}")
         n, D = R.shape[-2:]
-        R, z = R.contiguous(), z.contiguous()
+        R, z = R.contiguous(), z.to(R.dtype).contiguous()  # the kernel reads both through one pointer type
         y = torch.empty(R.shape[:-2] + (D,), dtype=R.dtype)
         _kernel("gated_mix_forward", R.dtype)(R.numel() // (n * D), n, D, _ptr(R), _ptr(z), _ptr(y), _threads())
         ctx.save_for_backward(R, z)
@@ -161,15 +165,15 @@ class GatedMixFunction(torch.autograd.Function):
 
 
 #: the largest up-projection (bytes) ``gated_mix_lowrank`` forms the logits from in its kernel: the
-#: kernel reads all of ``U^T`` once per token, from the core's caches; past this the BLAS product
-#: then ``gated_mix`` is faster (``benchmarks/gated_lowrank.py``, docs/BENCHMARKS.md "Tuning
+#: kernel reads all of ``U^T`` once per block of 4 tokens, from the core's caches; past this the
+#: BLAS product then ``gated_mix`` is faster (``benchmarks/gated_lowrank.py``, docs/BENCHMARKS.md "Tuning
 #: choices in the code")
 LOWRANK_KERNEL_BYTES = 128 * 1024
 
 
 class GatedMixLowRankFunction(torch.autograd.Function):
-    """``gated_mix(R, z)`` with ``z = (h @ U^T)`` ``[..., n, D]`` formed in the kernel, token by
-    token, from GR's low-rank hidden layer ``h`` ``[..., r]`` and its up-projection ``U``
+    """``gated_mix(R, z)`` with ``z = (h @ U^T)`` ``[..., n, D]`` formed in the kernel, a block of 4
+    tokens at a time, from GR's low-rank hidden layer ``h`` ``[..., r]`` and its up-projection ``U``
     ``[n D, r]``: the logits and the gates never pass through memory, and backward forms
     ``dh = dz U`` and ``dU = dz^T h`` in the same pass instead of two products over ``[tokens, n D]``.
     Keeps ``R``, ``h`` and ``U^T`` (padded with zero columns to whole 64-byte vectors, the
@@ -182,6 +186,9 @@ class GatedMixLowRankFunction(torch.autograd.Function):
                             f"and {up.dtype}")
         n, D = R.shape[-2:]
         m, r = n * D, h.shape[-1]
+        if h.shape[:-1] != R.shape[:-2] or up.shape != (m, r) or r < 1:
+            raise ValueError(f"gated_mix_lowrank takes R [..., n, D], h [..., r] (R's leading dims, r >= 1) and up "
+                             f"[n D, r], given R {tuple(R.shape)}, h {tuple(h.shape)}, up {tuple(up.shape)}")
         lanes = 64 // R.element_size()
         upT = up.new_zeros(r, -(-m // lanes) * lanes)  # U^T [r, mp]
         upT[:, :m] = up.t()

@@ -280,7 +280,7 @@ void backward(const DepthArgs& a) {
             p[i] = a.sigmoid ? sigmoid(lg[i]) : std::exp(lg[i] - lse[(s * T + t) * H + h]);
           }
       for (int64_t s = 0; s < S; ++s) g[s] = a.g_out[s] ? static_cast<const F*>(a.g_out[s]) + t * D : nullptr;
-      if (norm_rr && g[0]) {  // query 0's norm, on the recomputed out_0
+      if (norm_rr && g[0]) {  // query 0's norm, on out_0 recomputed (from exp(l - lse): equal to rounding)
         F* g0_row = a.g0_out ? static_cast<F*>(a.g0_out) + t * D : g0.data();
         mix_row<F>(a, p.data(), 0, t, out0.data());
         norm_backward_row(out0.data(), g[0], norm_w, norm_rr[t], D, g0_row, d_norm_w);

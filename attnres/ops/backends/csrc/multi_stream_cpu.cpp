@@ -228,13 +228,13 @@ using lanes = typename Lanes<F>::type;
 
 // exp(x) lane by lane. fp32: Cephes' expf on the whole vector (x = k ln2 + r with |r| <= ln2/2,
 // a degree-6 polynomial in r, 2^k put in the exponent bits), x clamped to [-87, 88] so that
-// 2^k stays a normal number; within a few units in the last place of std::exp. fp64 (the
-// reference dtype): std::exp per lane.
+// 2^k stays a normal number (a NaN stays NaN); within a few units in the last place of
+// std::exp. fp64 (the reference dtype): std::exp per lane.
 inline lanes<float> exp_lanes(lanes<float> x) {
   typedef int32_t ints __attribute__((vector_size(64)));
   const lanes<float> hi = lanes<float>{} + 88.0f, lo = lanes<float>{} - 87.0f;
-  x = x < hi ? x : hi;
-  x = x > lo ? x : lo;
+  x = x > hi ? hi : x;  // written so that a NaN, false in every comparison, passes through
+  x = x < lo ? lo : x;
   const lanes<float> round = lanes<float>{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const lanes<float> k = (x * 1.44269504088896341f + round) - round;
   lanes<float> r = x - k * 0.693359375f;
