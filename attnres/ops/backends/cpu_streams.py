@@ -6,9 +6,9 @@ Sinkhorn-Knopp and GR's per-branch RMSNorm, each forward and backward one pass o
 Each is an autograd function keeping its inputs and little else: the mix and the update form
 their gradients from ``H``, the weights and ``v``; the gated mix keeps ``R`` and the gates'
 logits (or GR's low-rank layer and ``U^T``) and forms the gates again, the RMSNorm one inverse
-RMS per row; Sinkhorn's backward runs the iterations again
-per chunk of matrices from the logits and then reverses them, so it keeps neither the
-``2 x iterations`` intermediate matrices autograd would keep nor anything beyond the logits.
+RMS per row; Sinkhorn's backward runs the iterations again per chunk of matrices from the
+logits and then reverses them, so it keeps neither the ``2 x iterations`` intermediate
+matrices autograd would keep nor anything beyond the logits.
 A pointer handed to a kernel is always that of a tensor held in a local name.
 
 ``H`` ``[..., n, D]`` is read in place when its rows are contiguous and its leading dims fold
