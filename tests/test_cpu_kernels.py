@@ -91,22 +91,28 @@ def test_broadcast_and_strided_sources():
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
 
 
-@needs_kernels
-def test_thread_count_does_not_change_the_result():
-    """Per-thread partial sums of the query and gain gradients, reduced after the kernel."""
-    query, gain, sources = make(16, 5, (67,), torch.float64)
-    results = []
-    threads = torch.get_num_threads()
+def assert_same_on_1_2_and_3_threads(call, inputs):
+    """``call()`` and the gradients of its sum with respect to ``inputs`` agree (fp64, to 1e-12)
+    run on 1, 2 and 3 threads: a kernel's per-thread partial sums do not change the result."""
+    threads, results = torch.get_num_threads(), []
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            out = depth_attention(query, sources, gain, heads=4, backend="cpu")
-            results.append((out, *grads(out, [query, gain, *sources], torch.ones_like(out))))
+            out = call()
+            results.append((out, *grads(out, inputs, torch.ones_like(out))))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+
+
+@needs_kernels
+def test_thread_count_does_not_change_the_result():
+    """Per-thread partial sums of the query and gain gradients, reduced after the kernel."""
+    query, gain, sources = make(16, 5, (67,), torch.float64)
+    assert_same_on_1_2_and_3_threads(lambda: depth_attention(query, sources, gain, heads=4, backend="cpu"),
+                                     [query, gain, *sources])
 
 
 @needs_kernels
@@ -481,17 +487,7 @@ def test_the_lowrank_gates_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(0)
     R, h, up = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((67, 3, 10), (67, 5), (30, 5)))
     inputs = [t.requires_grad_() for t in (R, h, up)]
-    threads, results = torch.get_num_threads(), []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            out = cpu_streams.gated_mix_lowrank(*inputs)
-            results.append((out, *torch.autograd.grad(out, inputs, torch.ones_like(out))))
-    finally:
-        torch.set_num_threads(threads)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+    assert_same_on_1_2_and_3_threads(lambda: cpu_streams.gated_mix_lowrank(*inputs), inputs)
 
 
 @needs_kernels

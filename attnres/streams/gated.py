@@ -68,20 +68,22 @@ class GatedResidualStream(PreparesNextSite, MultiStream):
         the read's ``W_down`` and, but at the output, the write's ``W_inject``, in one product (in
         fp32 at least, outside autocast). The read and the write of the site both take them."""
         rhat = self._ops(R).rms_norm(R, (1 + self.branch_gains[site]).to(R.dtype), self.eps)
-        dt = torch.promote_types(rhat.dtype, torch.float32)
         W = self.gate_down[site]  # [r, n_r D], then [n_r, n_r D] of the write
         if site < self.num_sublayers:
             W = torch.cat((W, self.inject[site]))
-        # (vec(Rhat) W^T) / n_r: the division on the r + n_r numbers rather than on vec(Rhat)
-        return rhat, (rhat.flatten(-2).to(dt) @ W.T.to(dt)) / self.streams
+        return rhat, self._project(rhat, W)
+
+    def _project(self, rhat: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """``(vec(Rhat) W^T) / n_r`` ``[..., rows of W]``, in fp32 at least: the division on the
+        few numbers of the product rather than on ``vec(Rhat)``."""
+        dt = torch.promote_types(rhat.dtype, torch.float32)
+        return (rhat.flatten(-2).to(dt) @ W.T.to(dt)) / self.streams
 
     def gate_logits(self, rhat: torch.Tensor, site: int) -> torch.Tensor:
         """The gates' logits ``W_up SiLU(W_down vec(Rhat) / n_r)`` ``[..., n_r, D]`` of ``site``,
         the down-projection in fp32 at least as ``_prepare`` forms it (for analysis: a pass
         takes them from the prepared state)."""
-        dt = torch.promote_types(rhat.dtype, torch.float32)
-        down = (rhat.flatten(-2).to(dt) @ self.gate_down[site].T.to(dt)) / self.streams
-        hidden = F.silu(down).to(rhat.dtype)  # [..., r]
+        hidden = F.silu(self._project(rhat, self.gate_down[site])).to(rhat.dtype)  # [..., r]
         return (hidden @ self.gate_up[site].T).unflatten(-1, (self.streams, self.dim))
 
     def gates(self, rhat: torch.Tensor, site: int) -> torch.Tensor:

@@ -226,6 +226,19 @@ struct Lanes<double> {
 template <typename F>
 using lanes = typename Lanes<F>::type;
 
+// unaligned loads and stores of a vector
+template <typename F>
+inline lanes<F> load_lanes(const F* p) {
+  lanes<F> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename F>
+inline void store_lanes(F* p, lanes<F> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
 // exp(x) lane by lane. fp32: Cephes' expf on the whole vector (x = k ln2 + r with |r| <= ln2/2,
 // a degree-6 polynomial in r, 2^k put in the exponent bits), x clamped to [-87, 88] so that
 // 2^k stays a normal number (a NaN stays NaN); within a few units in the last place of
@@ -267,12 +280,7 @@ template <typename F>
 inline void sigmoid_row(const F* z, int64_t m, F* s) {
   constexpr int64_t W = LANES<F>;
   int64_t i = 0;
-  for (; i + W <= m; i += W) {
-    lanes<F> x;
-    __builtin_memcpy(&x, z + i, sizeof(x));
-    x = sigmoid_lanes<F>(x);
-    __builtin_memcpy(s + i, &x, sizeof(x));
-  }
+  for (; i + W <= m; i += W) store_lanes(s + i, sigmoid_lanes<F>(load_lanes(z + i)));
   if (i < m) {
     lanes<F> x = {};
     for (int64_t l = 0; i + l < m; ++l) x[l] = z[i + l];
@@ -340,18 +348,6 @@ void gated_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, con
 // block of tokens at a time, in forward and again in backward, so that neither z nor the gates
 // pass through memory. Backward: dR and dz as above, then dh_j = dz . U^T_j and
 // dU^T_j += h_j dz for the block (per-thread partial sums [threads, r, mp], added by the caller).
-template <typename F>
-inline lanes<F> load_lanes(const F* p) {
-  lanes<F> v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename F>
-inline void store_lanes(F* p, lanes<F> v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-
 // the padded width of m numbers: a whole number of vectors
 template <typename F>
 constexpr int64_t padded(int64_t m) {
