@@ -21,6 +21,18 @@ code's run of that design, and writes the current code against each revision
 ``--compiled`` adds each design trained with ``run.compile=true`` (rows ``design+compile``, against
 the eager PreNorm of the round): compilation happens in the first steps and counts, as it does in
 a comparison (the on-disk inductor cache is warm after the first round, as on any second run).
+
+``--paired`` pairs the designs step by step instead of run by run: every design's run is started
+once (the trainer's ``start``: its model, optimizer and batches), trained ``--steps`` steps
+untimed, then ``--rounds`` rounds of one step each (the trainer's ``train_step``, its
+``seconds``), every design in turn, all on the same batch in a round. A design's ratio is taken
+per round against PreNorm's step of the same round (``<csv>_paired.csv``), with a 95% interval
+for the median of those ratios (distribution-free: order statistics, ``median_interval``). A
+round lasts a second or two, so a slow stretch of the machine (runs of PreNorm alone range over
++-20% across the rounds of a run-by-run comparison) falls on every design of the round alike.
+
+    python benchmarks/demo_step.py --paired --rounds 100 --steps 10
+    python benchmarks/demo_step.py --paired --rounds 100 --steps 10 --revisions 2f34bf8
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -58,7 +71,8 @@ class Package:
         root = attnres if rev is None else import_revision(rev)
         module = lambda name: importlib.import_module(f"{root.__name__}.train.{name}")  # noqa: E731
         config, compare = module("config"), module("compare")
-        self.train, self.design_config = module("trainer").train, compare.design_config
+        self.trainer = module("trainer")
+        self.train, self.design_config = self.trainer.train, compare.design_config
         base = config.demo()
         base.run = dataclasses.replace(base.run, steps=steps, eval_every=steps, log_every=min(10, steps),
                                        tensorboard=False, progress=False)
@@ -77,6 +91,75 @@ def steady_step_time(metrics: Path) -> float:
     return elapsed / (last["step"] - first["step"])
 
 
+def paired_times(packages: dict, variants: list[str], rounds: int, warmup: int, tmp: Path
+                 ) -> dict[str, list[float]]:
+    """Seconds of each variant's training steps, one step of every variant per round (after
+    ``warmup`` untimed steps each), through the trainer's ``start`` and ``train_step``."""
+    runs = {}
+    for variant in variants:
+        design, rev = split_variant(variant)
+        package = packages[rev]
+        trainer = package.trainer
+        cfg = dataclasses.replace(package.base, model=package.design_config(package.base.model, design))
+        cfg, corpus = trainer.load_data(cfg, tmp / variant, package.corpus)
+        runs[variant] = (trainer, trainer.start(cfg, tmp / variant, corpus, trainer.start_processes(cfg)))
+    for step in range(warmup):
+        for trainer, run in runs.values():
+            trainer.train_step(run, step, False)
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for r in range(rounds):
+        for variant, (trainer, run) in runs.items():
+            times[variant].append(trainer.train_step(run, warmup + r, False).seconds)
+        if r % 10 == 9:
+            print(f"round {r + 1}: " + ", ".join(f"{v} {ts[-1] * 1e3:.0f}" for v, ts in times.items()) + " ms",
+                  flush=True)
+    return times
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values`` (independent draws): the order
+    statistics whose ranks the binomial distribution Bin(n, 1/2) puts ``level`` between."""
+    from scipy.stats import binom
+
+    ordered, n = sorted(values), len(values)
+    low = max(int(binom.ppf((1 - level) / 2, n, 0.5)), 1)  # rank, from 1
+    return ordered[low - 1], ordered[n - low]
+
+
+def paired(args) -> None:
+    packages = {rev: Package(rev, args.steps + args.rounds, args.assignments) for rev in [None, *args.revisions]}
+    variants = with_revisions(args.designs, args.revisions)
+    print(f"{machine()}; {args.steps} steps untimed, then {args.rounds} rounds of one step per design")
+    with tempfile.TemporaryDirectory() as tmp:
+        times = paired_times(packages, variants, args.rounds, args.steps, Path(tmp))
+    summary = ratio_to_own_baseline(times, "prenorm")
+    rows = []
+    for d in variants:
+        own = [t / b for t, b in zip(times[d], times[own_prenorm(d)])]
+        q1, _, q3 = statistics.quantiles(own, n=4)
+        lo, hi = median_interval(own)
+        rows.append(dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
+                         ratio_ci95=f"{lo:.3f}..{hi:.3f}", ratio_q1=q1, ratio_q3=q3, ratio_min=summary[d]["ratio_min"],
+                         ratio_max=summary[d]["ratio_max"], rounds=args.rounds, warmup_steps=args.steps,
+                         settings=" ".join(args.assignments)))
+    print_table(rows, ["design", "median_ms", "ratio", "ratio_ci95", "ratio_q1", "ratio_q3", "ratio_min", "ratio_max"])
+    print(f"wrote {write_csv(f'{args.csv}_paired', rows)}")
+    if args.revisions:
+        compared = against_revisions({"step_seconds": times})
+        for row in compared:
+            now, then = times[row["variant"]], times[f"{row['variant']}@{row['revision']}"]
+            lo, hi = median_interval([a / b for a, b in zip(now, then)])
+            row["ci95"] = f"{lo:.3f}..{hi:.3f}"
+        print_table(compared, list(compared[0]))
+        print(f"wrote {write_csv(f'{args.csv}_paired_against', compared)}")
+
+
+def own_prenorm(variant: str) -> str:
+    """The PreNorm of ``variant``'s revision."""
+    rev = split_variant(variant)[1]
+    return "prenorm" if rev is None else f"prenorm@{rev}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--designs", nargs="+", default=["prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr"],
@@ -88,10 +171,16 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="also train each design with run.compile=true")
     ap.add_argument("--revisions", nargs="*", default=[], metavar="REV",
                     help="also train every design on the package at these git revisions")
+    ap.add_argument("--paired", action="store_true",
+                    help="time single steps, every design in turn in each round (--steps: untimed steps first)")
     ap.add_argument("--csv", default="demo_step")
     args = ap.parse_args()
     if "prenorm" not in args.designs:
         args.designs.insert(0, "prenorm")
+    if args.paired:
+        if args.compiled:
+            ap.error("--paired times eager steps; --compiled is a run-by-run comparison")
+        return paired(args)
     packages = {rev: Package(rev, args.steps, args.assignments) for rev in [None, *args.revisions]}
     print(f"{machine()}; {args.rounds} rounds of {args.steps} steps")
 

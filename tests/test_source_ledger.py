@@ -19,7 +19,9 @@ needs_kernels = pytest.mark.skipif(cpu_build.build_problem() is not None,
 
 def deferred_reads(g, dt, lead, D, heads, query_counts, missing=()):
     """Random ``DeferredRead``s, one per entry of ``query_counts`` (its number of queries); the
-    query numbered ``k`` over all reads gets no upstream gradient when ``k in missing``."""
+    query numbered ``k`` over all reads gets no upstream gradient when ``k in missing``. The
+    queries are scaled so that a head's logit is of order one, as in a trained read (unscaled,
+    ``exp(logit - lse)`` reaches 1e5 at D = 172 and the comparison measures cancellation)."""
     reads, k = [], 0
     for S in query_counts:
         grads = []
@@ -28,6 +30,7 @@ def deferred_reads(g, dt, lead, D, heads, query_counts, missing=()):
             k += 1
         queries, lse, ds = (torch.randn(*shape, generator=g, dtype=dt) for shape in
                             ((S, D), (S, *lead, heads), (S, *lead, heads)))
+        queries = queries * (D // heads) ** -0.5
         reads.append(DeferredRead(queries, lse, ds, tuple(grads)))
     return reads
 
@@ -37,11 +40,13 @@ def deferred_reads(g, dt, lead, D, heads, query_counts, missing=()):
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
 @pytest.mark.parametrize("with_grad", [False, True], ids=["", "grad"])
-def test_source_grad_equals_its_naive_twin(dt, heads, score, key_norm, with_grad):
+@pytest.mark.parametrize("D", [16, 172])
+def test_source_grad_equals_its_naive_twin(dt, heads, score, key_norm, with_grad, D):
     """Reads of one and of three queries, one query without an upstream gradient, with and
-    without a gradient that reached the source directly."""
+    without a gradient that reached the source directly; D = 172 (heads of 172 or 43 numbers)
+    covers the kernel's sums by four vectors, by one vector and by single numbers."""
     g = torch.Generator().manual_seed(heads + 7 * with_grad)
-    lead, D = (2, 5), 16
+    lead = (2, 5)
     v = torch.randn(*lead, D, generator=g, dtype=dt) * 1.5
     r = inverse_rms(v) if key_norm else None
     reads = deferred_reads(g, dt, lead, D, heads, (1, 3), missing=(2,))

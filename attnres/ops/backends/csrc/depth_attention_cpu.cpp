@@ -193,39 +193,59 @@ inline void store(F* p, Vec<F> v) {  // unaligned
   __builtin_memcpy(p, &v, sizeof(v));
 }
 
-// out[h] = sum_j p[j,s,h] v_j[h] for query s of token t (sources in order, as the PyTorch path).
-// The sums stay in registers across the sources, four vectors at a time: an axpy per source
-// would load and store the output row N times.
+// out[d] = sum_k w[k * ws + h] x_k[d] for every head h and d in its slice [h dh, (h + 1) dh), or
+// out[d] += that sum when add. The sums stay in vector registers across the rows, four vectors at
+// a time (an axpy per row would load and store out once per row); rows are added in order, the
+// first one's term starting the sum when not add, so the result has the bits of scale(w_0, x_0)
+// followed by an axpy per row.
 template <typename F>
-void mix_row(const DepthArgs& a, const F* p, int64_t s, int64_t t, F* out) {
+void weighted_rows(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t H, int64_t dh, bool add, F* out) {
   constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);
-  const int64_t N = a.n_src, S = a.n_q, H = a.heads, dh = a.dim / a.heads;
+  const int64_t k0 = add ? 0 : 1;
   for (int64_t h = 0; h < H; ++h) {
-    auto weight = [&](int64_t j) { return p[(j * S + s) * H + h]; };
+    auto weight = [&](int64_t k) { return w[k * ws + h]; };
     const int64_t lo = h * dh, hi = lo + dh;
     int64_t d = lo;
     for (; d + 4 * W <= hi; d += 4 * W) {
-      const F* v = row<F>(a, 0, t) + d;
-      const F w0 = weight(0);
-      Vec<F> s0 = w0 * load(v), s1 = w0 * load(v + W), s2 = w0 * load(v + 2 * W), s3 = w0 * load(v + 3 * W);
-      for (int64_t j = 1; j < N; ++j) {
-        v = row<F>(a, j, t) + d;
-        const F w = weight(j);
-        s0 += w * load(v), s1 += w * load(v + W), s2 += w * load(v + 2 * W), s3 += w * load(v + 3 * W);
+      Vec<F> s0, s1, s2, s3;
+      if (add) {
+        s0 = load(out + d), s1 = load(out + d + W), s2 = load(out + d + 2 * W), s3 = load(out + d + 3 * W);
+      } else {
+        const F* v = x[0] + d;
+        const F c = weight(0);
+        s0 = c * load(v), s1 = c * load(v + W), s2 = c * load(v + 2 * W), s3 = c * load(v + 3 * W);
+      }
+      for (int64_t k = k0; k < n; ++k) {
+        const F* v = x[k] + d;
+        const F c = weight(k);
+        s0 += c * load(v), s1 += c * load(v + W), s2 += c * load(v + 2 * W), s3 += c * load(v + 3 * W);
       }
       store(out + d, s0), store(out + d + W, s1), store(out + d + 2 * W, s2), store(out + d + 3 * W, s3);
     }
     for (; d + W <= hi; d += W) {
-      Vec<F> s0 = weight(0) * load(row<F>(a, 0, t) + d);
-      for (int64_t j = 1; j < N; ++j) s0 += weight(j) * load(row<F>(a, j, t) + d);
+      Vec<F> s0 = add ? load(out + d) : weight(0) * load(x[0] + d);
+      for (int64_t k = k0; k < n; ++k) s0 += weight(k) * load(x[k] + d);
       store(out + d, s0);
     }
     for (; d < hi; ++d) {
-      F s0 = weight(0) * row<F>(a, 0, t)[d];
-      for (int64_t j = 1; j < N; ++j) s0 += weight(j) * row<F>(a, j, t)[d];
+      F s0 = add ? out[d] : weight(0) * x[0][d];
+      for (int64_t k = k0; k < n; ++k) s0 += weight(k) * x[k][d];
       out[d] = s0;
     }
   }
+}
+
+// The rows of token t of every source (sources in order).
+template <typename F>
+void token_rows(const DepthArgs& a, int64_t t, const F** rows) {
+  for (int64_t j = 0; j < a.n_src; ++j) rows[j] = row<F>(a, j, t);
+}
+
+// out[h] = sum_j p[j,s,h] v_j[h] for query s of token t (sources in order, as the PyTorch path),
+// from the token's rows.
+template <typename F>
+void mix_row(const DepthArgs& a, const F* const* rows, const F* p, int64_t s, F* out) {
+  weighted_rows(a.n_src, rows, p + s * a.heads, a.n_q * a.heads, a.heads, a.dim / a.heads, false, out);
 }
 
 template <typename F>
@@ -237,8 +257,10 @@ void forward(const DepthArgs& a) {
 #pragma omp parallel num_threads(a.threads)
   {
     std::vector<F> lg(N * S * H), p(N * S * H);
+    std::vector<const F*> rows(N);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
+      token_rows<F>(a, t, rows.data());
       if (given) {  // precomputed [N, S, T, H] (inference)
         for (int64_t j = 0; j < N * S; ++j)
           for (int64_t h = 0; h < H; ++h) lg[j * H + h] = given[(j * T + t) * H + h];
@@ -246,7 +268,7 @@ void forward(const DepthArgs& a) {
         token_logits<F>(a, t, lg.data());
       }
       weights<F>(a, lg.data(), static_cast<F*>(a.lse), t, p.data());
-      for (int64_t s = 0; s < S; ++s) mix_row<F>(a, p.data(), s, t, static_cast<F*>(a.outs[s]) + t * D);
+      for (int64_t s = 0; s < S; ++s) mix_row<F>(a, rows.data(), p.data(), s, static_cast<F*>(a.outs[s]) + t * D);
       if (norm_rr) {  // query 0's output through RMSNorm, in place
         F* o = static_cast<F*>(a.outs[0]) + t * D;
         norm_rr[t] = norm_row(o, norm_w, F(a.norm_eps), D, o);
@@ -268,10 +290,12 @@ void backward(const DepthArgs& a) {
     const int tid = omp_get_thread_num();
     F* d_qg = a.d_qg ? static_cast<F*>(a.d_qg) + tid * S * D : nullptr;
     F* d_norm_w = a.d_norm_w ? static_cast<F*>(a.d_norm_w) + tid * D : nullptr;
-    std::vector<F> lg(N * S * H), p(N * S * H), gv(N * S * H), ds(N * S * H), centre(S * H), out0(D), g0(D);
-    std::vector<const F*> g(S);
+    std::vector<F> lg(N * S * H), p(N * S * H), gv(N * S * H), ds(N * S * H), rds(N * S * H), centre(S * H),
+        out0(D), g0(D), dv_w((1 + 2 * S) * H);
+    std::vector<const F*> g(S), rows(N), dv_x(1 + 2 * S);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
+      token_rows<F>(a, t, rows.data());
       token_logits<F>(a, t, lg.data());
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < H; ++h)
@@ -282,17 +306,15 @@ void backward(const DepthArgs& a) {
       for (int64_t s = 0; s < S; ++s) g[s] = a.g_out[s] ? static_cast<const F*>(a.g_out[s]) + t * D : nullptr;
       if (norm_rr && g[0]) {  // query 0's norm, on out_0 recomputed (from exp(l - lse): equal to rounding)
         F* g0_row = a.g0_out ? static_cast<F*>(a.g0_out) + t * D : g0.data();
-        mix_row<F>(a, p.data(), 0, t, out0.data());
+        mix_row<F>(a, rows.data(), p.data(), 0, out0.data());
         norm_backward_row(out0.data(), g[0], norm_w, norm_rr[t], D, g0_row, d_norm_w);
         g[0] = g0_row;
       }
       // g_s . v_j per head, and g_s . out_s = sum_j p (g_s . v_j)
-      for (int64_t j = 0; j < N; ++j) {
-        const F* v = row<F>(a, j, t);
+      for (int64_t j = 0; j < N; ++j)
         for (int64_t s = 0; s < S; ++s)
           for (int64_t h = 0; h < H; ++h)
-            gv[(j * S + s) * H + h] = g[s] ? dot(g[s] + h * dh, v + h * dh, dh) : F(0);
-      }
+            gv[(j * S + s) * H + h] = g[s] ? dot(g[s] + h * dh, rows[j] + h * dh, dh) : F(0);
       // d logit: softmax p (g . v_j - g . out + g_lse); sigmoid (g . v_j) p (1 - p)
       for (int64_t s = 0; s < S; ++s) {
         for (int64_t h = 0; h < H; ++h) {
@@ -312,33 +334,31 @@ void backward(const DepthArgs& a) {
           for (int64_t s = 0; s < S; ++s)
             for (int64_t h = 0; h < H; ++h)
               static_cast<F*>(a.ds_out)[((j * S + s) * T + t) * H + h] = ds[(j * S + s) * H + h];
+      // d qg_s[h] += sum_j r_j ds[j,s,h] v_j[h]
       for (int64_t j = 0; j < N; ++j) {
-        const F* v = row<F>(a, j, t);
         const F r = inv_rms<F>(a, j, t);
-        if (d_qg)  // d qg_s[h] += r ds v_j[h]
-          for (int64_t s = 0; s < S; ++s)
-            for (int64_t h = 0; h < H; ++h)
-              axpy(r * ds[(j * S + s) * H + h], v + h * dh, d_qg + s * D + h * dh, dh);
+        for (int64_t k = 0; k < S * H; ++k) rds[j * S * H + k] = r * ds[j * S * H + k];
+      }
+      if (d_qg)
+        for (int64_t s = 0; s < S; ++s) weighted_rows(N, rows.data(), rds.data() + s * H, S * H, H, dh, true, d_qg + s * D);
+      for (int64_t j = 0; j < N; ++j) {
         if (!a.d_src[j]) continue;
-        // dv_j = sum_s (r ds qg_s + p g_s) per head, + coef v_j through the inverse RMS:
-        // d r / d v = -r^3 v / D, so coef = -(r^2 / D) sum_{s,h} ds logit
+        // dv_j = coef v_j + sum_s (r ds qg_s + p g_s) per head, the first term through the inverse
+        // RMS: d r / d v = -r^3 v / D, so coef = -(r^2 / D) sum_{s,h} ds logit
+        const F r = inv_rms<F>(a, j, t);
         F coef = 0;
         if (a.key_norm) {
-          for (int64_t s = 0; s < S; ++s)
-            for (int64_t h = 0; h < H; ++h)
-              coef += ds[(j * S + s) * H + h] * lg[(j * S + s) * H + h];
+          for (int64_t k = 0; k < S * H; ++k) coef += ds[j * S * H + k] * lg[j * S * H + k];
           coef *= -r * r / F(D);
         }
-        F* dv = static_cast<F*>(a.d_src[j]) + t * D;
-        for (int64_t h = 0; h < H; ++h) {
-          F* dvh = dv + h * dh;
-          scale(coef, v + h * dh, dvh, dh);
-          for (int64_t s = 0; s < S; ++s) {
-            const int64_t i = (j * S + s) * H + h;
-            axpy(r * ds[i], qg + s * D + h * dh, dvh, dh);
-            if (g[s]) axpy(p[i], g[s] + h * dh, dvh, dh);
-          }
+        int64_t n = 0;  // the rows of the sum and their weights per head
+        dv_x[n] = rows[j], std::fill_n(&dv_w[n++ * H], H, coef);
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t i = (j * S + s) * H;
+          dv_x[n] = qg + s * D, std::copy_n(&rds[i], H, &dv_w[n++ * H]);
+          if (g[s]) dv_x[n] = g[s], std::copy_n(&p[i], H, &dv_w[n++ * H]);
         }
+        weighted_rows(n, dv_x.data(), dv_w.data(), H, H, dh, false, static_cast<F*>(a.d_src[j]) + t * D);
       }
     }
   }
@@ -370,38 +390,44 @@ struct SourceGradArgs {
 template <typename F>
 void source_grad(const SourceGradArgs& a) {
   const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
-#pragma omp parallel for num_threads(a.threads) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const F* v = static_cast<const F*>(a.src) + t * a.src_stride;
-    const F r = a.rinv ? static_cast<const F*>(a.rinv)[t * a.rinv_stride] : F(1);
-    F* dv = static_cast<F*>(a.d_src) + t * D;
-    if (a.grad_in) {
-      const F* gi = static_cast<const F*>(a.grad_in) + t * D;
-      std::copy(gi, gi + D, dv);
-    } else {
-      std::fill(dv, dv + D, F(0));
-    }
-    F coef = 0;
-    int64_t first_g = 0;
-    for (int64_t i = 0; i < a.n_reads; ++i) {
-      const int64_t S = a.n_q[i];
-      const F* qg = static_cast<const F*>(a.qg[i]);
-      const F* lse = static_cast<const F*>(a.lse[i]);
-      const F* ds = static_cast<const F*>(a.ds[i]);
-      for (int64_t s = 0; s < S; ++s) {
-        const F* g = static_cast<const F*>(a.g[first_g + s]);
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t k = (s * T + t) * H + h;
-          const F logit = head_logit(qg + s * D, v, r, h, dh);  // as the read computed it
-          const F p = a.sigmoid ? sigmoid(logit) : std::exp(logit - lse[k]);
-          axpy(r * ds[k], qg + s * D + h * dh, dv + h * dh, dh);
-          if (g) axpy(p, g + t * D + h * dh, dv + h * dh, dh);
-          coef += ds[k] * logit;
+  int64_t n_q = 0;
+  for (int64_t i = 0; i < a.n_reads; ++i) n_q += a.n_q[i];
+#pragma omp parallel num_threads(a.threads)
+  {
+    // the rows of the sum (a query and an upstream gradient per read and query, then v) and
+    // their weights per head
+    std::vector<const F*> x(2 * n_q + 1);
+    std::vector<F> w((2 * n_q + 1) * H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const F* v = static_cast<const F*>(a.src) + t * a.src_stride;
+      const F r = a.rinv ? static_cast<const F*>(a.rinv)[t * a.rinv_stride] : F(1);
+      F* dv = static_cast<F*>(a.d_src) + t * D;
+      F coef = 0;
+      int64_t n = 0;
+      for (int64_t i = 0, q = 0; i < a.n_reads; ++i) {
+        const F* qg = static_cast<const F*>(a.qg[i]);
+        const F* lse = static_cast<const F*>(a.lse[i]);
+        const F* ds = static_cast<const F*>(a.ds[i]);
+        for (int64_t s = 0; s < a.n_q[i]; ++s, ++q) {
+          const F* g = static_cast<const F*>(a.g[q]);
+          F* wq = &w[n * H];
+          x[n++] = qg + s * D;
+          F* wg = g ? &w[n * H] : nullptr;
+          if (g) x[n++] = g + t * D;
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t k = (s * T + t) * H + h;
+            const F logit = head_logit(qg + s * D, v, r, h, dh);  // as the read computed it
+            wq[h] = r * ds[k];
+            if (wg) wg[h] = a.sigmoid ? sigmoid(logit) : std::exp(logit - lse[k]);
+            coef += ds[k] * logit;
+          }
         }
       }
-      first_g += S;
+      if (a.rinv) x[n] = v, std::fill_n(&w[n++ * H], H, -r * r / F(D) * coef);
+      if (a.grad_in) std::copy_n(static_cast<const F*>(a.grad_in) + t * D, D, dv);
+      weighted_rows(n, x.data(), w.data(), H, H, dh, a.grad_in != nullptr, dv);
     }
-    if (a.rinv) axpy(-r * r / F(D) * coef, v, dv, D);
   }
 }
 
@@ -543,6 +569,7 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
 #pragma omp parallel num_threads(threads) if (tokens > 1 && tokens * n * D >= (1 << 16))
   {
     std::vector<F> p(n * heads);
+    std::vector<const F*> rows(n);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t j = 0; j < n; ++j) {
@@ -562,10 +589,8 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
         for (int64_t j = 0; j < n; ++j) p[j * heads + h] /= sum;
       }
       F* y = out + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        scale(p[h], src + t * D + h * Dh, y + h * Dh, Dh);
-        for (int64_t j = 1; j < n; ++j) axpy(p[j * heads + h], src + j * src_stride + t * D + h * Dh, y + h * Dh, Dh);
-      }
+      for (int64_t j = 0; j < n; ++j) rows[j] = src + j * src_stride + t * D;
+      weighted_rows(n, rows.data(), p.data(), heads, heads, Dh, false, y);
       if (base) {
         const F* b = base + t * D;
 #pragma omp simd
