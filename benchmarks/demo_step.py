@@ -24,12 +24,17 @@ a comparison (the on-disk inductor cache is warm after the first round, as on an
 
 ``--paired`` pairs the designs step by step instead of run by run: every design's run is started
 once (the trainer's ``start``: its model, optimizer and batches), trained ``--steps`` steps
-untimed, then ``--rounds`` rounds of one step each (the trainer's ``train_step``, its
-``seconds``), every design in turn, all on the same batch in a round. A design's ratio is taken
-per round against PreNorm's step of the same round (``<csv>_paired.csv``), with a 95% interval
-for the median of those ratios (distribution-free: order statistics, ``median_interval``). A
-round lasts a second or two, so a slow stretch of the machine (runs of PreNorm alone range over
-+-20% across the rounds of a run-by-run comparison) falls on every design of the round alike.
+untimed, then ``--rounds`` rounds (at least 6) of one step each (the trainer's ``train_step``,
+its ``seconds``), every design in turn, all on the same batch in a round, in the listed order on
+even rounds and the reverse order on odd ones (so that no variant always runs first, or right
+after the same one). The runs' schedules are twice as long as what is timed, so that no timed
+step records the per-layer gradient norms of a run's last 10% of steps. A design's ratio is
+taken per round against PreNorm's step of the same round (``<csv>_paired.csv``), with a 95%
+interval for the median of those ratios (distribution-free: order statistics,
+``median_interval``; scipy, from the ``report`` extra). A round lasts a few seconds, so a slow
+stretch of the machine (runs of PreNorm alone range over +-20% across the rounds of a
+run-by-run comparison) falls on every design of the round alike; the interval covers the rounds
+of one run, not the machine's state over a day (see docs/BENCHMARKS.md, D7).
 
     python benchmarks/demo_step.py --paired --rounds 100 --steps 10
     python benchmarks/demo_step.py --paired --rounds 100 --steps 10 --revisions 2f34bf8
@@ -41,6 +46,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -108,7 +114,8 @@ def paired_times(packages: dict, variants: list[str], rounds: int, warmup: int, 
             trainer.train_step(run, step, False)
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for r in range(rounds):
-        for variant, (trainer, run) in runs.items():
+        order = list(runs.items())
+        for variant, (trainer, run) in order if r % 2 == 0 else reversed(order):
             times[variant].append(trainer.train_step(run, warmup + r, False).seconds)
         if r % 10 == 9:
             print(f"round {r + 1}: " + ", ".join(f"{v} {ts[-1] * 1e3:.0f}" for v, ts in times.items()) + " ms",
@@ -118,16 +125,19 @@ def paired_times(packages: dict, variants: list[str], rounds: int, warmup: int, 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     """A distribution-free interval for the median of ``values`` (independent draws): the order
-    statistics whose ranks the binomial distribution Bin(n, 1/2) puts ``level`` between."""
+    statistics whose ranks the binomial distribution Bin(n, 1/2) puts ``level`` between (at
+    n = 100, the 40th and the 61st). NaNs where n is too small for ``level`` (n < 6 at 95%)."""
     from scipy.stats import binom
 
     ordered, n = sorted(values), len(values)
-    low = max(int(binom.ppf((1 - level) / 2, n, 0.5)), 1)  # rank, from 1
+    low = int(binom.ppf((1 - level) / 2, n, 0.5))  # rank, from 1
+    if low < 1:
+        return math.nan, math.nan
     return ordered[low - 1], ordered[n - low]
 
 
 def paired(args) -> None:
-    packages = {rev: Package(rev, args.steps + args.rounds, args.assignments) for rev in [None, *args.revisions]}
+    packages = {rev: Package(rev, 2 * (args.steps + args.rounds), args.assignments) for rev in [None, *args.revisions]}
     variants = with_revisions(args.designs, args.revisions)
     print(f"{machine()}; {args.steps} steps untimed, then {args.rounds} rounds of one step per design")
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,6 +188,8 @@ def main() -> None:
     if "prenorm" not in args.designs:
         args.designs.insert(0, "prenorm")
     if args.paired:
+        if args.rounds < 6:
+            ap.error(f"--paired needs --rounds 6 or more (a 95% interval for a median needs 6 draws), got {args.rounds}")
         if args.compiled:
             ap.error("--paired times eager steps; --compiled is a run-by-run comparison")
         return paired(args)

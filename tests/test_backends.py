@@ -33,7 +33,7 @@ SHAPES = [
     pytest.param(1, 6, 1, (5,), id="H1-D6-N1"),
     pytest.param(1, 41, 4, (2, 3), id="H1-D41-N4"),  # the kernels' sums by 4 vectors, 1 vector, 1 number
     pytest.param(2, 10, 3, (7,), id="H2-D10-N3"),
-    pytest.param(4, 12, 9, (2, 5), id="H4-D12-N9"),
+    pytest.param(4, 172, 9, (2, 5), id="H4-D172-N9"),  # heads of 43 numbers, from offsets past 0
     pytest.param(8, 96, 5, (3, 4), id="H8-D96-N5"),
 ]
 
@@ -626,13 +626,15 @@ def test_auto_picks_by_device_and_dtype():
 def test_decode_read_matches_naive(backend, dtype, score, key_norm, heads, gated, norm):
     """A decode pass's read (one call over the buffer's first ``count`` sources, Delta's
     ``base + gate * mix``, the read's norm) against the reference: every count from one source
-    to the buffer's capacity less one, two sequences of one position."""
+    to the buffer's capacity less one, two sequences of one position; D = 172 (heads of 172 or
+    43 numbers: the kernels' sums by four vectors, one vector and single numbers)."""
     fns = use(backend, dtype, score, key_norm)
     g = torch.Generator().manual_seed(heads + 10 * gated)
-    buffer = torch.randn(6, 2, 1, 16, generator=g, dtype=dtype) * torch.arange(1, 7, dtype=dtype).view(6, 1, 1, 1)
-    query = torch.randn(16, generator=g, dtype=dtype)
-    base = torch.randn(2, 1, 16, generator=g, dtype=dtype) if gated else None
-    weight = 1 + 0.3 * torch.randn(16, generator=g, dtype=dtype)
+    D = 172
+    buffer = torch.randn(6, 2, 1, D, generator=g, dtype=dtype) * torch.arange(1, 7, dtype=dtype).view(6, 1, 1, 1)
+    query = torch.randn(D, generator=g, dtype=dtype) * (D // heads) ** -0.5  # logits of order one
+    base = torch.randn(2, 1, D, generator=g, dtype=dtype) if gated else None
+    weight = 1 + 0.3 * torch.randn(D, generator=g, dtype=dtype)
     read_norm = {"none": None, "gain": Norm(weight), "no-gain": Norm(None)}[norm]
     tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
     for count in range(1, 6):
@@ -640,7 +642,7 @@ def test_decode_read_matches_naive(backend, dtype, score, key_norm, heads, gated
         with torch.no_grad():
             got = fns.decode_read(buffer, count, query, **args)
         want = ops.backend("naive").decode_read(buffer, count, query, **args)
-        assert got.dtype == dtype and got.shape == (2, 1, 16)
+        assert got.dtype == dtype and got.shape == (2, 1, D)
         torch.testing.assert_close(got, want, **tol)
 
 
