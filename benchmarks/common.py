@@ -67,15 +67,25 @@ def split_variant(variant: str) -> tuple[str, str | None]:
     return name, rev or None
 
 
+def own_baseline(variant: str, baseline: str) -> str:
+    """The ``baseline`` variant of ``variant``'s revision (``block@REV`` -> ``baseline@REV``)."""
+    rev = split_variant(variant)[1]
+    return baseline if rev is None else f"{baseline}@{rev}"
+
+
 def ratio_to_own_baseline(times: dict[str, list[float]], baseline: str) -> dict[str, dict]:
     """``ratio_summary`` with each revision's variants against that revision's ``baseline``
     (``block@REV`` against ``baseline@REV``)."""
     out = {}
     for name in times:
-        rev = split_variant(name)[1]
-        base = baseline if rev is None else f"{baseline}@{rev}"
+        base = own_baseline(name, baseline)
         out[name] = ratio_summary({name: times[name], base: times[base]}, base)[name]
     return out
+
+
+def span(low: float, high: float, digits: int = 3) -> str:
+    """``low..high``, as the results tables write a spread or an interval."""
+    return f"{low:.{digits}f}..{high:.{digits}f}"
 
 
 def against_revisions(measured: dict[str, dict[str, list[float]]]) -> list[dict]:
@@ -91,7 +101,7 @@ def against_revisions(measured: dict[str, dict[str, list[float]]]) -> list[dict]
             ratios = [now / then for now, then in zip(times[name], ts)]
             rows.append(dict(variant=name, revision=rev, measurement=measurement, rounds=len(ratios),
                              now_vs_rev=statistics.median(ratios),
-                             spread=f"{min(ratios):.3f}..{max(ratios):.3f}"))
+                             spread=span(min(ratios), max(ratios))))
     return rows
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import interleaved, machine, print_table, ratio_summary, span, write_csv  # noqa: E402
 
 import attnres  # noqa: E402
 
@@ -89,7 +89,7 @@ def main():
     for d in args.designs:
         summary = ratio_summary({m: times[f"{d} {m}"] for m in MODES}, BASELINE)
         rows += [dict(design=d, mode=m, median_s=s["median_s"], time_vs_compiled_torch=s["ratio"],
-                      spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}")
+                      spread=span(s["ratio_min"], s["ratio_max"]))
                  for m, s in summary.items()]
     print_table(rows, ["design", "mode", "median_s", "time_vs_compiled_torch", "spread"])
     write_csv(args.csv, rows)

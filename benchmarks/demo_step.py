@@ -59,8 +59,10 @@ from common import (  # noqa: E402
     against_revisions,
     import_revision,
     machine,
+    own_baseline,
     print_table,
     ratio_to_own_baseline,
+    span,
     split_variant,
     with_revisions,
     write_csv,
@@ -145,11 +147,10 @@ def paired(args) -> None:
     summary = ratio_to_own_baseline(times, "prenorm")
     rows = []
     for d in variants:
-        own = [t / b for t, b in zip(times[d], times[own_prenorm(d)])]
+        own = [t / b for t, b in zip(times[d], times[own_baseline(d, "prenorm")])]
         q1, _, q3 = statistics.quantiles(own, n=4)
-        lo, hi = median_interval(own)
         rows.append(dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
-                         ratio_ci95=f"{lo:.3f}..{hi:.3f}", ratio_q1=q1, ratio_q3=q3, ratio_min=summary[d]["ratio_min"],
+                         ratio_ci95=span(*median_interval(own)), ratio_q1=q1, ratio_q3=q3, ratio_min=summary[d]["ratio_min"],
                          ratio_max=summary[d]["ratio_max"], rounds=args.rounds, warmup_steps=args.steps,
                          settings=" ".join(args.assignments)))
     print_table(rows, ["design", "median_ms", "ratio", "ratio_ci95", "ratio_q1", "ratio_q3", "ratio_min", "ratio_max"])
@@ -158,16 +159,9 @@ def paired(args) -> None:
         compared = against_revisions({"step_seconds": times})
         for row in compared:
             now, then = times[row["variant"]], times[f"{row['variant']}@{row['revision']}"]
-            lo, hi = median_interval([a / b for a, b in zip(now, then)])
-            row["ci95"] = f"{lo:.3f}..{hi:.3f}"
+            row["ci95"] = span(*median_interval([a / b for a, b in zip(now, then)]))
         print_table(compared, list(compared[0]))
         print(f"wrote {write_csv(f'{args.csv}_paired_against', compared)}")
-
-
-def own_prenorm(variant: str) -> str:
-    """The PreNorm of ``variant``'s revision."""
-    rev = split_variant(variant)[1]
-    return "prenorm" if rev is None else f"prenorm@{rev}"
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import interleaved, machine, print_table, ratio_summary, span, write_csv  # noqa: E402
 
 from attnres.ops.backends import cpu_streams  # noqa: E402
 
@@ -63,7 +63,7 @@ def main() -> None:
         s = ratio_summary(interleaved(calls(dim), args.rounds, warmup=2), "product")
         rows.append(dict(dim=dim, up_kib=4 * N * dim * (dim // 8) / 1024, product_ms=1000 * s["product"]["median_s"],
                          kernel_ms=1000 * s["kernel"]["median_s"], kernel_vs_product=s["kernel"]["ratio"],
-                         spread=f'{s["kernel"]["ratio_min"]:.2f}..{s["kernel"]["ratio_max"]:.2f}'))
+                         spread=span(s["kernel"]["ratio_min"], s["kernel"]["ratio_max"], 2)))
     print_table(rows, ["dim", "up_kib", "product_ms", "kernel_ms", "kernel_vs_product", "spread"])
     print(f"wrote {write_csv(args.csv, rows)}")
 

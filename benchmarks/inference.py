@@ -49,6 +49,7 @@ from common import (  # noqa: E402
     print_table,
     ratio_summary,
     ratio_to_own_baseline,
+    span,
     split_variant,
     with_revisions,
     write_csv,
@@ -194,12 +195,12 @@ def main():
     rows = []
     for v in variants:
         row = dict(variant=v, prefill_ms=1000 * pre[v]["median_s"], prefill_vs_prenorm=pre[v]["ratio"],
-                   prefill_spread=f"{pre[v]['ratio_min']:.3f}..{pre[v]['ratio_max']:.3f}")
+                   prefill_spread=span(pre[v]["ratio_min"], pre[v]["ratio_max"]))
         for batch, d in dec.items():
             suffix = "" if batch == 1 else f"_b{batch}"
             row |= {f"decode_ms_per_token{suffix}": 1000 * d[v]["median_s"] / args.new_tokens,
                     f"decode_vs_prenorm{suffix}": d[v]["ratio"],
-                    f"decode_spread{suffix}": f"{d[v]['ratio_min']:.3f}..{d[v]['ratio_max']:.3f}"}
+                    f"decode_spread{suffix}": span(d[v]["ratio_min"], d[v]["ratio_max"])}
         rows.append(row)
     print_table(rows, list(rows[0]))
     name = "inference" if allocator() == "malloc defaults" else "inference_malloc_fixed"
@@ -239,7 +240,7 @@ def hf_table(args, name: str) -> None:
     for label, times in (("generate", per_token), ("greedy step, token by token", stepped)):
         for v, r in ratio_summary(times, "hf-llama").items():
             hf_rows.append(dict(timing=label, variant=v, ms_per_token=1000 * r["median_s"], vs_source=r["ratio"],
-                                spread=f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f}"))
+                                spread=span(r["ratio_min"], r["ratio_max"])))
     print_table(hf_rows, list(hf_rows[0]))
     write_csv(f"{name}_hf", hf_rows)
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import interleaved, machine, print_table, ratio_summary, span, write_csv  # noqa: E402
 
 from attnres.ops import backend  # noqa: E402
 
@@ -87,7 +87,7 @@ def main():
             s = ratio_summary(interleaved(pair, args.rounds, warmup=2), "torch")
             rows.append(dict(op=op, heads=heads, torch_ms=1000 * s["torch"]["median_s"],
                              cpu_ms=1000 * s["cpu"]["median_s"], cpu_vs_torch=s["cpu"]["ratio"],
-                             spread=f"{s['cpu']['ratio_min']:.2f}..{s['cpu']['ratio_max']:.2f}"))
+                             spread=span(s["cpu"]["ratio_min"], s["cpu"]["ratio_max"], 2)))
     print_table(rows, ["op", "heads", "torch_ms", "cpu_ms", "cpu_vs_torch", "spread"])
     write_csv("kernels", rows)
 

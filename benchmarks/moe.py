@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     ratio_summary,
     report_child,
     rss_mib,
+    span,
     write_csv,
 )
 from train_step import training_step  # noqa: E402
@@ -101,7 +102,7 @@ def main():
         summary = {**ratio_summary({k: times[k] for k in ("sorted", "naive")}, "sorted"),
                    **ratio_summary({k: times[k] for k in ("sorted-fwd", "naive-fwd")}, "sorted-fwd")}
         rows = [dict(variant=v, median_s=s["median_s"], ratio_to_sorted=s["ratio"],
-                     spread=f"{s['ratio_min']:.3f}..{s['ratio_max']:.3f}") for v, s in summary.items()]
+                     spread=span(s["ratio_min"], s["ratio_max"])) for v, s in summary.items()]
         print_table(rows, ["variant", "median_s", "ratio_to_sorted", "spread"])
         write_csv("moe_dispatch", rows)
     if args.part in ("train", "both"):
@@ -112,7 +113,7 @@ def main():
         extra = ["--batch", str(args.batch), "--seq", str(args.seq)]
         mem = {v: child_memory(__file__, v, extra)["growth_mib"] for v in variants}
         rows = [dict(variant=v, median_s=summary[v]["median_s"], time_vs_prenorm_moe=summary[v]["ratio"],
-                     spread=f"{summary[v]['ratio_min']:.3f}..{summary[v]['ratio_max']:.3f}",
+                     spread=span(summary[v]["ratio_min"], summary[v]["ratio_max"]),
                      mem_growth_mib=mem[v], mem_vs_prenorm_moe=mem[v] / mem["prenorm-moe"]) for v in variants]
         print_table(rows, ["variant", "median_s", "time_vs_prenorm_moe", "spread", "mem_growth_mib",
                            "mem_vs_prenorm_moe"])

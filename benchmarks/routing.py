@@ -35,6 +35,7 @@ from common import (  # noqa: E402
     ratio_summary,
     report_child,
     rss_mib,
+    span,
     split_variant,
     with_revisions,
     write_csv,
@@ -132,7 +133,7 @@ def main():
             s = summary[impl]
             rows.append(dict(
                 design=kind, impl=impl, M=args.m, median_ms=1000 * s["median_s"],
-                time_vs_baseline=s["ratio"], spread=f"{s['ratio_min']:.2f}..{s['ratio_max']:.2f}",
+                time_vs_baseline=s["ratio"], spread=span(s["ratio_min"], s["ratio_max"], 2),
                 mem_growth_mib=mem[impl]["growth_mib"],
                 mem_vs_baseline=mem[impl]["growth_mib"] / mem[args.baseline]["growth_mib"],
             ))

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import import_revision, interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import import_revision, interleaved, machine, print_table, ratio_summary, span, write_csv  # noqa: E402
 
 import attnres  # noqa: E402
 
@@ -90,7 +90,7 @@ def main() -> None:
         s = ratio_summary(interleaved({"rev": then[op], "now": now[op]}, args.rounds, warmup=2), "rev")
         rows.append(dict(op=op, revision=args.revision, rev_ms=1000 * s["rev"]["median_s"],
                          now_ms=1000 * s["now"]["median_s"], now_vs_rev=s["now"]["ratio"],
-                         spread=f"{s['now']['ratio_min']:.2f}..{s['now']['ratio_max']:.2f}"))
+                         spread=span(s["now"]["ratio_min"], s["now"]["ratio_max"], 2)))
     print_table(rows, ["op", "revision", "rev_ms", "now_ms", "now_vs_rev", "spread"])
     print(f"wrote {write_csv(args.csv, rows)}")
 

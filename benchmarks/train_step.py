@@ -30,10 +30,12 @@ from common import (  # noqa: E402
     import_revision,
     interleaved,
     machine,
+    own_baseline,
     print_table,
     ratio_to_own_baseline,
     report_child,
     rss_mib,
+    span,
     split_variant,
     with_revisions,
     write_csv,
@@ -101,12 +103,6 @@ def training_step(model, groups, batch: int, seq: int):
     return step
 
 
-def own_prenorm(variant: str) -> str:
-    """The PreNorm variant of ``variant``'s revision."""
-    rev = split_variant(variant)[1]
-    return "prenorm" if rev is None else f"prenorm@{rev}"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
@@ -137,8 +133,8 @@ def main():
     mem = {v: child_memory(__file__, v, extra)["growth_mib"] for v in variants}
     rows = [
         dict(variant=v, median_s=summary[v]["median_s"], time_vs_prenorm=summary[v]["ratio"],
-             spread=f"{summary[v]['ratio_min']:.3f}..{summary[v]['ratio_max']:.3f}",
-             mem_growth_mib=mem[v], mem_vs_prenorm=mem[v] / mem[own_prenorm(v)])
+             spread=span(summary[v]["ratio_min"], summary[v]["ratio_max"]),
+             mem_growth_mib=mem[v], mem_vs_prenorm=mem[v] / mem[own_baseline(v, "prenorm")])
         for v in variants
     ]
     print_table(rows, ["variant", "median_s", "time_vs_prenorm", "spread", "mem_growth_mib", "mem_vs_prenorm"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, print_table, ratio_summary, write_csv  # noqa: E402
+from common import interleaved, machine, print_table, ratio_summary, span, write_csv  # noqa: E402
 
 from attnres.ops.backends import common as shared  # noqa: E402
 from attnres.ops.backends import torch as backend  # noqa: E402
@@ -97,7 +97,7 @@ def main():
             s = ratio_summary(interleaved(pair, args.rounds, warmup=3), other)
             rows.append(dict(op=op, shape=shape, a=chosen, a_ms=1000 * s[chosen]["median_s"], b=other,
                              b_ms=1000 * s[other]["median_s"], a_vs_b=s[chosen]["ratio"],
-                             spread=f"{s[chosen]['ratio_min']:.2f}..{s[chosen]['ratio_max']:.2f}"))
+                             spread=span(s[chosen]["ratio_min"], s[chosen]["ratio_max"], 2)))
     print_table(rows, ["op", "shape", "a", "a_ms", "b", "b_ms", "a_vs_b", "spread"])
     write_csv("tuning", rows)
 
