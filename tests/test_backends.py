@@ -653,6 +653,7 @@ STREAM_SHAPES = [
     pytest.param(2, 5, (3, 1), id="n2-D5"),
     pytest.param(3, 10, (17,), id="n3-D10"),
     pytest.param(4, 96, (2, 9), id="n4-D96"),
+    pytest.param(4, 41, (3,), id="n4-D41"),
     pytest.param(5, 33, (4,), id="n5-D33"),
     pytest.param(8, 20, (2,), id="n8-D20"),
 ]

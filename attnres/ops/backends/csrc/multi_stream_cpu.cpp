@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -58,23 +59,123 @@ inline F dot(const F* a, const F* b, int64_t n) {
   return lane_sum(acc);
 }
 
+template <typename F>
+struct Lanes;  // one 64-byte vector of F (GCC's and Clang's vector extension)
+template <>
+struct Lanes<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef int32_t mask __attribute__((vector_size(64)));  // lane indices for a shuffle
+};
+template <>
+struct Lanes<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef int64_t mask __attribute__((vector_size(64)));
+};
+template <typename F>
+using lanes = typename Lanes<F>::type;
+
+// unaligned loads and stores of a vector
+template <typename F>
+inline lanes<F> load_lanes(const F* p) {
+  lanes<F> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename F>
+inline void store_lanes(F* p, lanes<F> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+// Lane sums of many vectors at once, in lane_sum's tree: `fold<G>(x, y)` takes two vectors of
+// groups of G lanes (each group one sum's partial lanes) and returns one vector of groups of G/2,
+// x's groups then y's, each the group's low half plus its high half, which is the tree's step
+// for every group in one add. log2(LANES) folds leave each sum in one lane, in order.
+constexpr int half_lane(int W, int G, bool high, int i) {
+  const int from_y = i >= W / 2, j = i % (W / 2), h = G / 2;
+  return from_y * W + (j / h) * G + j % h + (high ? h : 0);
+}
+
+template <typename F, int G, size_t... I>
+inline lanes<F> fold(lanes<F> x, lanes<F> y, std::index_sequence<I...>) {
+  constexpr int W = LANES<F>;
+#if defined(__clang__)
+  return __builtin_shufflevector(x, y, half_lane(W, G, false, I)...) +
+         __builtin_shufflevector(x, y, half_lane(W, G, true, I)...);
+#else  // GCC's form, which it has had longer than Clang's
+  using mask = typename Lanes<F>::mask;
+  return __builtin_shuffle(x, y, mask{half_lane(W, G, false, I)...}) +
+         __builtin_shuffle(x, y, mask{half_lane(W, G, true, I)...});
+#endif
+}
+
+// v[0 .. count) folded in pairs at group size G (a zero vector added to an odd count); the count
+// of vectors left
+template <typename F, int G>
+inline int fold_all(lanes<F>* v, int count) {
+  if (count & 1) v[count++] = lanes<F>{};
+  for (int m = 0; m < count / 2; ++m)
+    v[m] = fold<F, G>(v[2 * m], v[2 * m + 1], std::make_index_sequence<LANES<F>>());
+  return count / 2;
+}
+
+template <typename F, int G>
+inline void fold_levels(lanes<F>* v, int count) {
+  count = fold_all<F, G>(v, count);
+  if constexpr (G > 2) fold_levels<F, G / 2>(v, count);
+}
+
 // out[i * os + j] = dot(a_i, b_j, D) for i < NA, j < NB, with a_i = a + i * as and b_j = b + j * bs:
 // every pair in one pass over d (each a_i and b_j chunk loaded once for all pairs), with the
-// same lanes and tree as `dot`, so that it gives dot's numbers.
+// same lanes and tree as `dot`, so that it gives dot's numbers. The sums stay in vector
+// registers across the chunks and their lanes are summed together (`fold`).
 template <typename F, int NA, int NB>
 inline void dots(const F* a, int64_t as, const F* b, int64_t bs, int64_t D, F* out, int64_t os) {
-  constexpr int W = LANES<F>;
-  F acc[NA][NB][W] = {};
+  constexpr int W = LANES<F>, P = NA * NB;
+  lanes<F> acc[P + 1] = {};  // pair (i, j) at i * NB + j; one more for an odd count's zero
   int64_t d = 0;
-  for (; d + W <= D; d += W)
-    for (int i = 0; i < NA; ++i)
-      for (int j = 0; j < NB; ++j)
-        for (int w = 0; w < W; ++w) acc[i][j][w] += a[i * as + d + w] * b[j * bs + d + w];
+  for (; d + W <= D; d += W) {
+    lanes<F> bv[NB];
+    for (int j = 0; j < NB; ++j) bv[j] = load_lanes(b + j * bs + d);
+    for (int i = 0; i < NA; ++i) {
+      const lanes<F> av = load_lanes(a + i * as + d);
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] += av * bv[j];
+    }
+  }
   for (int w = 0; d < D; ++d, ++w)
     for (int i = 0; i < NA; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j][w] += a[i * as + d] * b[j * bs + d];
+      for (int j = 0; j < NB; ++j) acc[i * NB + j][w] += a[i * as + d] * b[j * bs + d];
+  fold_levels<F, W>(acc, P);
   for (int i = 0; i < NA; ++i)
-    for (int j = 0; j < NB; ++j) out[i * os + j] = lane_sum(acc[i][j]);
+    for (int j = 0; j < NB; ++j) out[i * os + j] = acc[(i * NB + j) / W][(i * NB + j) % W];
+}
+
+// out_k = sum_j c[k][j] x_j for k < NK, j < NJ (rows of D numbers: x_j at x[j], out_k at
+// out + k * os), per number the rounded product of the first term and then a fused
+// multiply-add per term in order of j, as a loop over whole rows forms them; but a chunk of
+// every out_k is held in registers while the x_j chunks are loaded once for all of them, and
+// each out_k chunk is stored once. Each sum starts at zero (fma(c, x, 0) is the rounded product
+// c x, but for the sign of a zero), which leaves the compiler no choice of which product of
+// `c0 x0 + c1 x1` to fuse.
+template <typename F, int NK, int NJ>
+inline void combine_rows(const F* const* x, const F (*c)[NJ], F* out, int64_t os, int64_t D) {
+  constexpr int W = LANES<F>;
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    lanes<F> xv[NJ];
+    for (int j = 0; j < NJ; ++j) xv[j] = load_lanes(x[j] + d);
+    for (int k = 0; k < NK; ++k) {
+      lanes<F> acc = {};
+      for (int j = 0; j < NJ; ++j) acc += c[k][j] * xv[j];
+      store_lanes(out + k * os + d, acc);
+    }
+  }
+  for (; d < D; ++d)
+    for (int k = 0; k < NK; ++k) {
+      F acc = 0;
+      for (int j = 0; j < NJ; ++j) acc += c[k][j] * x[j][d];
+      out[k * os + d] = acc;
+    }
 }
 
 // `dots` for na x nb pairs: blocked when the counts are known at compile time (NA, NB > 0),
@@ -102,7 +203,7 @@ inline void with_side(int64_t n, Fn&& f) {
   }
 }
 
-template <typename F>
+template <typename F, int NN>
 void mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* w, F* y,
                  int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -110,6 +211,13 @@ void mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_
     const F* h = H + t * ts;
     const F* wt = w + t * n;
     F* out = y + t * D;
+    if constexpr (NN > 0) {
+      const F* rows[NN];
+      F c[1][NN];
+      for (int k = 0; k < NN; ++k) rows[k] = h + k * ks, c[0][k] = wt[k];
+      combine_rows<F, 1, NN>(rows, c, out, D, D);
+      continue;
+    }
     for (int64_t d = 0; d < D; ++d) out[d] = wt[0] * h[d];
     for (int64_t k = 1; k < n; ++k) {
       const F* hk = h + k * ks;
@@ -143,13 +251,28 @@ inline F coef(const F* A, int trans, int64_t n, int64_t t, int64_t j, int64_t k)
   return trans ? A[(t * n + k) * n + j] : A[(t * n + j) * n + k];
 }
 
-template <typename F>
-void update_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A, int trans,
+template <typename F, int NN>
+void update_forward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A, int trans,
                     const F* b, const F* v, F* out, int threads) {
+  const int64_t n = NN ? NN : n_;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const F* h = H + t * ts;
     const F* vt = v + t * D;
+    if constexpr (NN > 0) {
+      if (A) {  // rows [v, H_0 .. H_{n-1}], coefficients [b_j, A[j, 0] .. A[j, n-1]]
+        const F* rows[NN + 1];
+        F c[NN][NN + 1];
+        rows[0] = vt;
+        for (int k = 0; k < NN; ++k) rows[k + 1] = h + k * ks;
+        for (int j = 0; j < NN; ++j) {
+          c[j][0] = b[t * NN + j];
+          for (int k = 0; k < NN; ++k) c[j][k + 1] = coef(A, trans, NN, t, j, k);
+        }
+        combine_rows<F, NN, NN + 1>(rows, c, out + t * NN * D, D, D);
+        continue;
+      }
+    }
     for (int64_t j = 0; j < n; ++j) {
       F* o = out + (t * n + j) * D;
       const F bj = b[t * n + j];
@@ -173,19 +296,26 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
     const F* h = H + t * ts;
     const F* vt = v + t * D;
     const F* gt = g + t * n * D;
-    if (dH) {
-      for (int64_t k = 0; k < n; ++k) {
-        F* dh = dH + (t * n + k) * D;
-        if (!A) {
-          for (int64_t d = 0; d < D; ++d) dh[d] = gt[k * D + d];
-          continue;
-        }
-        const F a0 = coef(A, trans, n, t, 0, k);
-        for (int64_t d = 0; d < D; ++d) dh[d] = a0 * gt[d];
-        for (int64_t j = 1; j < n; ++j) {
-          const F a = coef(A, trans, n, t, j, k);
-          const F* gj = gt + j * D;
-          for (int64_t d = 0; d < D; ++d) dh[d] += a * gj[d];
+    if (dH && !A) {
+      for (int64_t d = 0; d < n * D; ++d) dH[t * n * D + d] = gt[d];
+    } else if (dH) {  // dH_k = sum_j A[j, k] g_j
+      if constexpr (NN > 0) {
+        const F* rows[NN];
+        F c[NN][NN];
+        for (int j = 0; j < NN; ++j) rows[j] = gt + j * D;
+        for (int k = 0; k < NN; ++k)
+          for (int j = 0; j < NN; ++j) c[k][j] = coef(A, trans, NN, t, j, k);
+        combine_rows<F, NN, NN>(rows, c, dH + t * NN * D, D, D);
+      } else {
+        for (int64_t k = 0; k < n; ++k) {
+          F* dh = dH + (t * n + k) * D;
+          const F a0 = coef(A, trans, n, t, 0, k);
+          for (int64_t d = 0; d < D; ++d) dh[d] = a0 * gt[d];
+          for (int64_t j = 1; j < n; ++j) {
+            const F a = coef(A, trans, n, t, j, k);
+            const F* gj = gt + j * D;
+            for (int64_t d = 0; d < D; ++d) dh[d] += a * gj[d];
+          }
         }
       }
     }
@@ -196,14 +326,21 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
         dots_any<F, NN, NN>(gt, D, n, h, ks, n, D, dA + t * n * n, n);
     }
     if (db) dots_any<F, NN, 1>(gt, D, n, vt, 0, 1, D, db + t * n, 1);
-    if (dv) {
-      F* o = dv + t * D;
-      const F b0 = b[t * n];
-      for (int64_t d = 0; d < D; ++d) o[d] = b0 * gt[d];
-      for (int64_t j = 1; j < n; ++j) {
-        const F bj = b[t * n + j];
-        const F* gj = gt + j * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += bj * gj[d];
+    if (dv) {  // dv = sum_j b_j g_j
+      if constexpr (NN > 0) {
+        const F* rows[NN];
+        F c[1][NN];
+        for (int j = 0; j < NN; ++j) rows[j] = gt + j * D, c[0][j] = b[t * NN + j];
+        combine_rows<F, 1, NN>(rows, c, dv + t * D, D, D);
+      } else {
+        F* o = dv + t * D;
+        const F b0 = b[t * n];
+        for (int64_t d = 0; d < D; ++d) o[d] = b0 * gt[d];
+        for (int64_t j = 1; j < n; ++j) {
+          const F bj = b[t * n + j];
+          const F* gj = gt + j * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += bj * gj[d];
+        }
       }
     }
   }
@@ -213,32 +350,6 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
 // entry e of the chunk's LANES matrices, so that every step of the iteration is one vector
 // operation over the chunk while each matrix sees exactly the operations, in the order, of the
 // scalar loop. A chunk's last matrices past B are padded with zero logits and never written back.
-template <typename F>
-struct Lanes;  // one 64-byte vector of F (GCC's and Clang's vector extension)
-template <>
-struct Lanes<float> {
-  typedef float type __attribute__((vector_size(64)));
-};
-template <>
-struct Lanes<double> {
-  typedef double type __attribute__((vector_size(64)));
-};
-template <typename F>
-using lanes = typename Lanes<F>::type;
-
-// unaligned loads and stores of a vector
-template <typename F>
-inline lanes<F> load_lanes(const F* p) {
-  lanes<F> v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename F>
-inline void store_lanes(F* p, lanes<F> v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-
 // exp(x) lane by lane. fp32: Cephes' expf on the whole vector (x = k ln2 + r with |r| <= ln2/2,
 // a degree-6 polynomial in r, 2^k put in the exponent bits), x clamped to [-87, 88] so that
 // 2^k stays a normal number (a NaN stays NaN); within a few units in the last place of
@@ -631,7 +742,7 @@ extern "C" {
 #define ATTNRES_MULTI_STREAM(SUFFIX, F)                                                                          \
   void attnres_stream_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks,  \
                                            const F* w, F* y, int threads) {                                      \
-    mix_forward<F>(T, n, D, H, ts, ks, w, y, threads);                                                           \
+    with_side(n, [&](auto NN) { mix_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, y, threads); });      \
   }                                                                                                              \
   void attnres_stream_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, \
                                             const F* w, const F* g, F* dH, F* dw, int threads) {                \
@@ -640,7 +751,9 @@ extern "C" {
   void attnres_stream_update_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,          \
                                               int64_t ks, const F* A, int trans, const F* b, const F* v, F* out, \
                                               int threads) {                                                     \
-    update_forward<F>(T, n, D, H, ts, ks, A, trans, b, v, out, threads);                                         \
+    with_side(n, [&](auto NN) {                                                                                  \
+      update_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, out, threads);                  \
+    });                                                                                                          \
   }                                                                                                              \
   void attnres_stream_update_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,         \
                                                int64_t ks, const F* A, int trans, const F* b, const F* v,        \
