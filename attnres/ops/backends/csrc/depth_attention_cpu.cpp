@@ -196,8 +196,8 @@ inline void store(F* p, Vec<F> v) {  // unaligned
 // out[d] = sum_k w[k * ws + h] x_k[d] for every head h and d in its slice [h dh, (h + 1) dh), or
 // out[d] += that sum when add. The sums stay in vector registers across the rows, four vectors at
 // a time (an axpy per row would load and store out once per row); rows are added in order, the
-// first one's term starting the sum when not add (which needs n >= 1), so the result has the bits
-// of scale(w_0, x_0) followed by an axpy per row.
+// first one's term starting the sum when not add (which needs n >= 1). The compiler may fuse either
+// of the first two products, so the bits need not be those of scale(w_0, x_0) then an axpy per row.
 template <typename F>
 void weighted_rows(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t H, int64_t dh, bool add, F* out) {
   constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);

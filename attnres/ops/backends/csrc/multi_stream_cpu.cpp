@@ -91,6 +91,7 @@ inline void store_lanes(F* p, lanes<F> v) {
 // groups of G lanes (each group one sum's partial lanes) and returns one vector of groups of G/2,
 // x's groups then y's, each the group's low half plus its high half, which is the tree's step
 // for every group in one add. log2(LANES) folds leave each sum in one lane, in order.
+// the index in x ++ y (2 W lanes) of the low (or high) summand of result lane i, at group size G
 constexpr int half_lane(int W, int G, bool high, int i) {
   const int from_y = i >= W / 2, j = i % (W / 2), h = G / 2;
   return from_y * W + (j / h) * G + j % h + (high ? h : 0);
@@ -102,7 +103,7 @@ inline lanes<F> fold(lanes<F> x, lanes<F> y, std::index_sequence<I...>) {
 #if defined(__clang__)
   return __builtin_shufflevector(x, y, half_lane(W, G, false, I)...) +
          __builtin_shufflevector(x, y, half_lane(W, G, true, I)...);
-#else  // GCC's form, which it has had longer than Clang's
+#else  // GCC's own form: it has had __builtin_shuffle since 4.7, __builtin_shufflevector only since 12
   using mask = typename Lanes<F>::mask;
   return __builtin_shuffle(x, y, mask{half_lane(W, G, false, I)...}) +
          __builtin_shuffle(x, y, mask{half_lane(W, G, true, I)...});
@@ -127,8 +128,8 @@ inline void fold_levels(lanes<F>* v, int count) {
 
 // out[i * os + j] = dot(a_i, b_j, D) for i < NA, j < NB, with a_i = a + i * as and b_j = b + j * bs:
 // every pair in one pass over d (each a_i and b_j chunk loaded once for all pairs), with the
-// same lanes and tree as `dot`, so that it gives dot's numbers. The sums stay in vector
-// registers across the chunks and their lanes are summed together (`fold`).
+// same lanes and tree as `dot`, so that it gives dot's numbers. The sums are vectors, kept in
+// registers across the chunks where they fit (n = 4 with 64-byte vectors) and their lanes are summed together (`fold`).
 template <typename F, int NA, int NB>
 inline void dots(const F* a, int64_t as, const F* b, int64_t bs, int64_t D, F* out, int64_t os) {
   constexpr int W = LANES<F>, P = NA * NB;
@@ -216,13 +217,13 @@ void mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_
       F c[1][NN];
       for (int k = 0; k < NN; ++k) rows[k] = h + k * ks, c[0][k] = wt[k];
       combine_rows<F, 1, NN>(rows, c, out, D, D);
-      continue;
-    }
-    for (int64_t d = 0; d < D; ++d) out[d] = wt[0] * h[d];
-    for (int64_t k = 1; k < n; ++k) {
-      const F* hk = h + k * ks;
-      const F a = wt[k];
-      for (int64_t d = 0; d < D; ++d) out[d] += a * hk[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[d] = wt[0] * h[d];
+      for (int64_t k = 1; k < n; ++k) {
+        const F* hk = h + k * ks;
+        const F a = wt[k];
+        for (int64_t d = 0; d < D; ++d) out[d] += a * hk[d];
+      }
     }
   }
 }
@@ -346,10 +347,6 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
   }
 }
 
-// Sinkhorn runs on a chunk of LANES matrices at a time, entry-major: c[e] is one vector holding
-// entry e of the chunk's LANES matrices, so that every step of the iteration is one vector
-// operation over the chunk while each matrix sees exactly the operations, in the order, of the
-// scalar loop. A chunk's last matrices past B are padded with zero logits and never written back.
 // exp(x) lane by lane. fp32: Cephes' expf on the whole vector (x = k ln2 + r with |r| <= ln2/2,
 // a degree-6 polynomial in r, 2^k put in the exponent bits), x clamped to [-87, 88] so that
 // 2^k stays a normal number (a NaN stays NaN); within a few units in the last place of
@@ -555,6 +552,11 @@ void gated_lowrank_backward(int64_t T, int64_t n, int64_t D, int64_t r, const F*
     }
   }
 }
+
+// Sinkhorn runs on a chunk of LANES matrices at a time, entry-major: c[e] is one vector holding
+// entry e of the chunk's LANES matrices, so that every step of the iteration is one vector
+// operation over the chunk while each matrix sees exactly the operations, in the order, of the
+// scalar loop. A chunk's last matrices past B are padded with zero logits and never written back.
 
 // c[e][l] = x[l][e] for l < count, 0 beyond (x: the chunk's first matrix, nn entries each)
 template <typename F>
