@@ -151,32 +151,44 @@ inline void dots(const F* a, int64_t as, const F* b, int64_t bs, int64_t D, F* o
     for (int j = 0; j < NB; ++j) out[i * os + j] = acc[(i * NB + j) / W][(i * NB + j) % W];
 }
 
-// out_k = sum_j c[k][j] x_j for k < NK, j < NJ (rows of D numbers: x_j at x[j], out_k at
-// out + k * os), per number the rounded product of the first term and then a fused
-// multiply-add per term in order of j, as a loop over whole rows forms them; but a chunk of
-// every out_k is held in registers while the x_j chunks are loaded once for all of them, and
-// each out_k chunk is stored once. Each sum starts at zero (fma(c, x, 0) is the rounded product
-// c x, but for the sign of a zero), which leaves the compiler no choice of which product of
-// `c0 x0 + c1 x1` to fuse.
-template <typename F, int NK, int NJ>
-inline void combine_rows(const F* const* x, const F (*c)[NJ], F* out, int64_t os, int64_t D) {
+// out_k = sum_j c(k, j) x(j) for k < nk, j < nj (rows of D numbers: row j at x(j), out_k at
+// out + k * os). Each number's sum starts at zero and adds the terms in order of j as fused
+// multiply-adds: fma(c, x, 0) is the rounded product c x (but for the sign of a zero), so the first
+// product is rounded as a loop over whole rows rounds it, and the compiler has no choice of which
+// product of `c0 x0 + c1 x1` to fuse. With NK and NJ known at compile time (> 0), a chunk of every
+// out_k is held in registers while the x(j) chunks are loaded once for all of them, and each out_k
+// chunk is stored once; otherwise (counts read at run time) the rows are formed one at a time.
+template <typename F, int NK, int NJ, typename Row, typename Coef>
+inline void combine_rows(int64_t nk, int64_t nj, Row x, Coef c, F* out, int64_t os, int64_t D) {
   constexpr int W = LANES<F>;
-  int64_t d = 0;
-  for (; d + W <= D; d += W) {
-    lanes<F> xv[NJ];
-    for (int j = 0; j < NJ; ++j) xv[j] = load_lanes(x[j] + d);
-    for (int k = 0; k < NK; ++k) {
-      lanes<F> acc = {};
-      for (int j = 0; j < NJ; ++j) acc += c[k][j] * xv[j];
-      store_lanes(out + k * os + d, acc);
+  if constexpr (NK > 0 && NJ > 0) {
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      lanes<F> xv[NJ];
+      for (int j = 0; j < NJ; ++j) xv[j] = load_lanes(x(j) + d);
+      for (int k = 0; k < NK; ++k) {
+        lanes<F> acc = {};
+        for (int j = 0; j < NJ; ++j) acc += c(k, j) * xv[j];
+        store_lanes(out + k * os + d, acc);
+      }
+    }
+    for (; d < D; ++d)
+      for (int k = 0; k < NK; ++k) {
+        F acc = 0;
+        for (int j = 0; j < NJ; ++j) acc += c(k, j) * x(j)[d];
+        out[k * os + d] = acc;
+      }
+  } else {
+    for (int64_t k = 0; k < nk; ++k) {
+      F* o = out + k * os;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0;
+      for (int64_t j = 0; j < nj; ++j) {
+        const F a = c(k, j);
+        const F* xj = x(j);
+        for (int64_t d = 0; d < D; ++d) o[d] += a * xj[d];
+      }
     }
   }
-  for (; d < D; ++d)
-    for (int k = 0; k < NK; ++k) {
-      F acc = 0;
-      for (int j = 0; j < NJ; ++j) acc += c[k][j] * x[j][d];
-      out[k * os + d] = acc;
-    }
 }
 
 // `dots` for na x nb pairs: blocked when the counts are known at compile time (NA, NB > 0),
@@ -211,20 +223,8 @@ void mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_
   for (int64_t t = 0; t < T; ++t) {
     const F* h = H + t * ts;
     const F* wt = w + t * n;
-    F* out = y + t * D;
-    if constexpr (NN > 0) {
-      const F* rows[NN];
-      F c[1][NN];
-      for (int k = 0; k < NN; ++k) rows[k] = h + k * ks, c[0][k] = wt[k];
-      combine_rows<F, 1, NN>(rows, c, out, D, D);
-    } else {
-      for (int64_t d = 0; d < D; ++d) out[d] = wt[0] * h[d];
-      for (int64_t k = 1; k < n; ++k) {
-        const F* hk = h + k * ks;
-        const F a = wt[k];
-        for (int64_t d = 0; d < D; ++d) out[d] += a * hk[d];
-      }
-    }
+    combine_rows<F, 1, NN>(
+        1, n, [&](int64_t k) { return h + k * ks; }, [&](int64_t, int64_t k) { return wt[k]; }, y + t * D, D, D);
   }
 }
 
@@ -245,10 +245,10 @@ void mix_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, int6
   }
 }
 
-// A[j, k] of token t: A given as [T, n, n] rows j (trans = 0) or rows k (trans = 1); null: identity
+// A[j, k] of token t: A given as [T, n, n] rows j (trans = 0) or rows k (trans = 1), not null
+// (the identity, A null, is written out where it applies)
 template <typename F>
 inline F coef(const F* A, int trans, int64_t n, int64_t t, int64_t j, int64_t k) {
-  if (!A) return j == k ? F(1) : F(0);
   return trans ? A[(t * n + k) * n + j] : A[(t * n + j) * n + k];
 }
 
@@ -260,30 +260,19 @@ void update_forward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, in
   for (int64_t t = 0; t < T; ++t) {
     const F* h = H + t * ts;
     const F* vt = v + t * D;
-    if constexpr (NN > 0) {
-      if (A) {  // rows [v, H_0 .. H_{n-1}], coefficients [b_j, A[j, 0] .. A[j, n-1]]
-        const F* rows[NN + 1];
-        F c[NN][NN + 1];
-        rows[0] = vt;
-        for (int k = 0; k < NN; ++k) rows[k + 1] = h + k * ks;
-        for (int j = 0; j < NN; ++j) {
-          c[j][0] = b[t * NN + j];
-          for (int k = 0; k < NN; ++k) c[j][k + 1] = coef(A, trans, NN, t, j, k);
-        }
-        combine_rows<F, NN, NN + 1>(rows, c, out + t * NN * D, D, D);
-        continue;
-      }
+    if (A) {  // out_j over the rows [v, H_0 .. H_{n-1}] with [b_j, A[j, 0] .. A[j, n-1]]
+      combine_rows<F, NN, NN ? NN + 1 : 0>(
+          n, n + 1, [&](int64_t k) { return k ? h + (k - 1) * ks : vt; },
+          [&](int64_t j, int64_t k) { return k ? coef(A, trans, n, t, j, k - 1) : b[t * n + j]; }, out + t * n * D,
+          D, D);
+      continue;
     }
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < n; ++j) {  // the identity: out_j = b_j v + H_j, no product with a zero
       F* o = out + (t * n + j) * D;
       const F bj = b[t * n + j];
+      const F* hj = h + j * ks;
       for (int64_t d = 0; d < D; ++d) o[d] = bj * vt[d];
-      for (int64_t k = 0; k < n; ++k) {
-        const F a = coef(A, trans, n, t, j, k);
-        if (!A && j != k) continue;
-        const F* hk = h + k * ks;
-        for (int64_t d = 0; d < D; ++d) o[d] += a * hk[d];
-      }
+      for (int64_t d = 0; d < D; ++d) o[d] += hj[d];
     }
   }
 }
@@ -300,25 +289,9 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
     if (dH && !A) {
       for (int64_t d = 0; d < n * D; ++d) dH[t * n * D + d] = gt[d];
     } else if (dH) {  // dH_k = sum_j A[j, k] g_j
-      if constexpr (NN > 0) {
-        const F* rows[NN];
-        F c[NN][NN];
-        for (int j = 0; j < NN; ++j) rows[j] = gt + j * D;
-        for (int k = 0; k < NN; ++k)
-          for (int j = 0; j < NN; ++j) c[k][j] = coef(A, trans, NN, t, j, k);
-        combine_rows<F, NN, NN>(rows, c, dH + t * NN * D, D, D);
-      } else {
-        for (int64_t k = 0; k < n; ++k) {
-          F* dh = dH + (t * n + k) * D;
-          const F a0 = coef(A, trans, n, t, 0, k);
-          for (int64_t d = 0; d < D; ++d) dh[d] = a0 * gt[d];
-          for (int64_t j = 1; j < n; ++j) {
-            const F a = coef(A, trans, n, t, j, k);
-            const F* gj = gt + j * D;
-            for (int64_t d = 0; d < D; ++d) dh[d] += a * gj[d];
-          }
-        }
-      }
+      combine_rows<F, NN, NN>(
+          n, n, [&](int64_t j) { return gt + j * D; }, [&](int64_t k, int64_t j) { return coef(A, trans, n, t, j, k); },
+          dH + t * n * D, D, D);
     }
     if (dA) {  // dA[j, k] = g_j . h_k, written [j, k] or transposed [k, j]
       if (trans)
@@ -327,23 +300,10 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
         dots_any<F, NN, NN>(gt, D, n, h, ks, n, D, dA + t * n * n, n);
     }
     if (db) dots_any<F, NN, 1>(gt, D, n, vt, 0, 1, D, db + t * n, 1);
-    if (dv) {  // dv = sum_j b_j g_j
-      if constexpr (NN > 0) {
-        const F* rows[NN];
-        F c[1][NN];
-        for (int j = 0; j < NN; ++j) rows[j] = gt + j * D, c[0][j] = b[t * NN + j];
-        combine_rows<F, 1, NN>(rows, c, dv + t * D, D, D);
-      } else {
-        F* o = dv + t * D;
-        const F b0 = b[t * n];
-        for (int64_t d = 0; d < D; ++d) o[d] = b0 * gt[d];
-        for (int64_t j = 1; j < n; ++j) {
-          const F bj = b[t * n + j];
-          const F* gj = gt + j * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += bj * gj[d];
-        }
-      }
-    }
+    if (dv)  // dv = sum_j b_j g_j
+      combine_rows<F, 1, NN>(
+          1, n, [&](int64_t j) { return gt + j * D; }, [&](int64_t, int64_t j) { return b[t * n + j]; }, dv + t * D, D,
+          D);
   }
 }
 
