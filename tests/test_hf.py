@@ -236,6 +236,7 @@ def own_loglikelihood(model, context: str, continuation: str) -> float:
     return float(sum(logp[len(ctx) - 1 + k, t] for k, t in enumerate(cont)))
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("lm_eval")  # one worker indexes the tasks once (one_task_index)
 @pytest.mark.parametrize("kind", ["native", "converted", "converted-moe"])
 def test_lm_eval_loglikelihoods_match_the_model(kind, task_dir, tmp_path):
@@ -348,6 +349,7 @@ def test_convert_refuses_bad_routing_options_before_loading_the_weights(tmp_path
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("lm_eval")
 @pytest.mark.parametrize("args,message", [
     (["--tasks", "no_such_task"], r"unknown lm-eval task\(s\) \['no_such_task'\]"),

@@ -44,7 +44,7 @@ RESUMED = {
 }
 
 # under pytest-xdist (make test) the module runs in one worker, which launches each job once
-pytestmark = pytest.mark.xdist_group("scale_launches")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scale_launches")]
 
 
 def launcher(processes: int) -> list[str]:
