@@ -12,173 +12,24 @@ Parameter names do not depend on the stream: ``tok_embeddings``, ``layers.{l}.at
 own parameters live under ``stream.``. With ``moe_experts > 0`` every MLP is a mixture of experts
 (``moe.MoE``): ``layers.{l}.mlp.gate``, ``layers.{l}.mlp.{w1,w2,w3}`` stacked over experts,
 ``layers.{l}.mlp.shared.{w1,w2,w3}`` and the buffer ``layers.{l}.mlp.expert_bias``.
+
+Its configuration is ``model_config.ModelConfig``; decoding (the KV cache, the choice of a token,
+``generate``) is in ``generation.py``; ``ModelConfig``, ``KVCache``, ``sample`` and
+``DEFAULT_NEW_TOKENS`` are imported from here too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .moe import BALANCE, ExpertStats, MoE, SwiGLU
-from .streams import KINDS, MODEL_OPTIONS, STREAMS, Stream, Trace, build_stream
-
-
-def _with_residual_options(cls):
-    """Add one field per residual option (``streams.MODEL_OPTIONS``, declared by the streams'
-    constructors), with the option's type and default, after the fields written in ``cls``."""
-    for name, option in MODEL_OPTIONS.items():
-        cls.__annotations__[name] = option.type
-        setattr(cls, name, option.default)
-    return cls
-
-
-@dataclass
-@_with_residual_options
-class ModelConfig:
-    """Sizes and residual design of the reference LM.
-
-    After the sizes and ``residual`` (the kind) come the residual options, flat fields made from
-    the streams' constructors (``streams.MODEL_OPTIONS``): ``heads``, ``query``, ``score``,
-    ``key_norm``, ``backend`` (every kind but prenorm: the AttnRes family's routing, HC/mHC/GR's
-    per-token work), ``block_size``, ``num_blocks`` (default 8) or
-    ``block_sizes`` (uneven blocks, in sublayers, e.g. ``(4, 4, 6, 2)``),
-    ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
-    ``gr_rank`` (GR's ``rank``), ``mixing`` and ``window`` (full). Each applies only to the kinds
-    that take it: setting one for another kind is an error, so nothing is silently ignored.
-
-    ``norm_eps`` is the epsilon of every RMSNorm the stream owns, as given
-    (``norm_eps_scale="absolute"``, what a converted model keeps of its source), or relative to
-    the initial scale (``"init"``: ``norm_eps * init_std**2``; ``stream_eps``).
-
-    ``moe_experts > 0`` makes every MLP a mixture of that many routed experts (``moe.MoE``):
-    ``moe_top_k`` chosen per token, ``moe_shared_experts`` every token passes through, each of
-    width ``moe_hidden`` (default ``ffn_dim``); ``moe_balance`` ``"aux"`` adds the balance loss
-    times ``moe_aux_weight``, ``"bias"`` moves a selection bias by ``moe_bias_rate`` after each
-    optimizer step; ``moe_capacity`` > 0 caps each expert at that factor of an even share in
-    training (0: no token dropped). The ``moe_*`` options need ``moe_experts > 0``.
-    """
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int | None = None  # default: n_heads (no grouping)
-    ffn_dim: int | None = None  # default: 8/3 dim rounded up to a multiple of 32
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    norm_eps_scale: str = "absolute"
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    moe_experts: int = 0
-    moe_top_k: int = 2
-    moe_shared_experts: int = 0
-    moe_hidden: int | None = None  # default: ffn_dim
-    moe_balance: str = "aux"
-    moe_aux_weight: float = 0.01
-    moe_bias_rate: float = 1e-3
-    moe_capacity: float = 0.0
-    residual: str = "prenorm"
-
-    def __post_init__(self):
-        if isinstance(self.block_sizes, list):  # as a saved config (JSON) holds it
-            self.block_sizes = tuple(self.block_sizes)
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.ffn_dim is None:
-            self.ffn_dim = 32 * math.ceil(8 * self.dim / 3 / 32)
-        if self.dim % self.n_heads:
-            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads!r} must be a positive integer dividing n_heads={self.n_heads}"
-            )
-        if self.norm_eps_scale not in NORM_EPS_SCALES:
-            raise ValueError(f"norm_eps_scale={self.norm_eps_scale!r} is not one of {NORM_EPS_SCALES}")
-        self._check_moe()
-        if self.residual not in KINDS:
-            raise ValueError(f"residual={self.residual!r} is not one of {KINDS}")
-        accepted = STREAMS[self.residual].options()
-        for name, option in MODEL_OPTIONS.items():
-            if option.name not in accepted and getattr(self, name) != option.default:
-                raise ValueError(f"{name}={getattr(self, name)!r} does not apply to residual={self.residual!r}")
-
-    def _check_moe(self) -> None:
-        """The ``moe_*`` options: in range, and set only for an MoE model (nothing ignored)."""
-        defaults = {f: type(self).__dataclass_fields__[f].default for f in MOE_FIELDS}
-
-        def count(name, low, none=False):
-            value = getattr(self, name)
-            if not (none and value is None) and (type(value) is not int or value < low):
-                raise ValueError(f"{name}={value!r} must be an integer >= {low}{' or None' if none else ''}")
-
-        def amount(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-
-        count("moe_experts", 0)
-        if self.moe_experts == 0:
-            given = [f"{f}={getattr(self, f)!r}" for f in MOE_FIELDS[1:] if getattr(self, f) != defaults[f]]
-            if given:
-                raise ValueError(f"{', '.join(given)} applies to mixture-of-experts models only: set "
-                                 f"moe_experts > 0 (with --set, before it)")
-            return
-        count("moe_top_k", 1)
-        if self.moe_top_k > self.moe_experts:
-            raise ValueError(f"moe_top_k={self.moe_top_k!r} must be an integer in [1, moe_experts={self.moe_experts}]")
-        count("moe_shared_experts", 0)
-        count("moe_hidden", 1, none=True)
-        for name in ("moe_aux_weight", "moe_bias_rate", "moe_capacity"):
-            amount(name)
-        if self.moe_balance not in BALANCE:
-            raise ValueError(f"moe_balance={self.moe_balance!r} is not one of {BALANCE}")
-        unused = {"aux": "moe_bias_rate", "bias": "moe_aux_weight"}[self.moe_balance]
-        if getattr(self, unused) != defaults[unused]:
-            raise ValueError(f"{unused}={getattr(self, unused)!r} does not apply to moe_balance={self.moe_balance!r}")
-
-    @property
-    def expert_hidden(self) -> int:
-        """Each expert's hidden width: ``moe_hidden``, or ``ffn_dim`` when not given."""
-        return self.moe_hidden or self.ffn_dim
-
-    @property
-    def num_sublayers(self) -> int:
-        return 2 * self.n_layers
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def stream_eps(self) -> float:
-        """The epsilon of the stream's RMSNorms: ``norm_eps`` itself (``norm_eps_scale="absolute"``),
-        or ``norm_eps * init_std**2`` (``"init"``: in units of the mean square the embedding and the
-        sublayers' weights start at, so that the norms damp the same fraction of an initial read
-        whatever ``init_std`` is)."""
-        return self.norm_eps if self.norm_eps_scale == "absolute" else self.norm_eps * self.init_std**2
-
-    def stream_options(self) -> dict:
-        """The options of ``build_stream`` this config sets for its residual kind."""
-        accepted = STREAMS[self.residual].options()
-        return {option.name: getattr(self, name) for name, option in MODEL_OPTIONS.items() if option.name in accepted}
-
-
-#: how ``ModelConfig.norm_eps`` is read (``ModelConfig.stream_eps``)
-NORM_EPS_SCALES = ("absolute", "init")
-#: the mixture-of-experts options of ``ModelConfig``; the first is the number of experts
-MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_hidden", "moe_balance", "moe_aux_weight",
-              "moe_bias_rate", "moe_capacity")
+from .generation import DEFAULT_NEW_TOKENS, KVCache, generate, sample  # noqa: F401
+from .model_config import ModelConfig
+from .moe import ExpertStats, MoE, SwiGLU
+from .streams import Stream, Trace, build_stream
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,23 +45,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
-
-
-class KVCache:
-    """Keys and values of every layer, ``[n_layers, B, n_kv_heads, max_len, head_dim]``."""
-
-    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, *, dtype, device):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store ``k``, ``v`` ``[B, Hkv, T, hd]`` at positions ``start..start+T`` and return all
-        keys and values so far."""
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class Attention(nn.Module):
@@ -441,65 +275,17 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len or c.max_seq_len, c.head_dim,
                        dtype=ref.dtype, device=ref.device)
 
-    @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Continue ``prompt`` ``[B, T]`` by ``max_new_tokens`` tokens with a KV cache; returns
-        ``[B, T + max_new_tokens]``. ``temperature=0`` is greedy; ``top_k`` keeps the k likeliest.
-        ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``, or as many as the context has room for.
-        A prompt and request longer than ``max_seq_len`` are refused (no sliding window). Each
-        token after the prompt runs as a decode pass (``forward(decode=True)``)."""
-        T = prompt.shape[-1]
-        if prompt.ndim != 2 or T == 0:
-            raise ValueError(f"prompt must be token ids [batch, length] with length >= 1, given shape {tuple(prompt.shape)}")
-        if max_new_tokens is None:
-            if T >= self.config.max_seq_len:
-                raise ValueError(f"prompt length {T} leaves no room in the context: max_seq_len={self.config.max_seq_len}")
-            max_new_tokens = min(DEFAULT_NEW_TOKENS, self.config.max_seq_len - T)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        if not temperature >= 0 or temperature == float("inf"):  # NaN fails both comparisons
-            raise ValueError(f"temperature={temperature} must be a finite number >= 0")
-        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
-            raise ValueError(f"top_k={top_k} must be in [1, {self.config.vocab_size}]")
-        B, T = prompt.shape
-        total = T + max_new_tokens
-        if total > self.config.max_seq_len:
-            raise ValueError(
-                f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds max_seq_len={self.config.max_seq_len}"
-            )
-        out = [prompt]
-        if max_new_tokens == 0:
-            return prompt
-        cache = self.new_cache(B, total)
-        logits = self(prompt, cache=cache, start_pos=0)[:, -1]
-        for step in range(max_new_tokens):
-            next_token = sample(logits, temperature, top_k, generator)
-            out.append(next_token)
-            if step + 1 < max_new_tokens:
-                logits = self(next_token, cache=cache, start_pos=T + step, decode=True)[:, -1]
-        return torch.cat(out, dim=1)
-
-
-#: how many tokens ``generate`` adds when not told, where the context has room
-DEFAULT_NEW_TOKENS = 200
+        """``prompt`` ``[B, T]`` continued by ``max_new_tokens`` tokens, ``[B, T + max_new_tokens]``:
+        ``generation.generate`` with this model (greedy at ``temperature=0``, ``top_k`` the k
+        likeliest; each token after the prompt a decode pass)."""
+        return generate(self, prompt, max_new_tokens, temperature, top_k, generator)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits ``[B, T, V]`` against targets ``[B, T]``, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ``[B, 1]`` from logits ``[B, V]``: argmax at temperature 0, else sampled."""
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
 def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = None) -> list[dict]:
