@@ -1,0 +1,240 @@
+"""A comparison as its folder holds it, read and checked, and the numbers the report gives.
+
+A comparison folder holds one sub-folder per run (``<design>`` or ``<design>-seed<k>``) with
+``config.json``, ``summary.json``, ``metrics.jsonl`` and ``analysis.json``; ``compare.json``
+lists them in order (with the steps each planned and reached) and says whether the comparison is
+complete. ``load_comparison`` reads them all, finds what an incomplete comparison lacks
+(``run_status``), keeps the complete pairs (the seeds every design finished) and computes what
+``results.json`` holds (``comparison_results``: the paired differences of ``analysis.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..files import read_json, read_jsonl
+from .stats import mean_and_sd, paired_difference
+
+
+#: what the report reads of each run's summary.json and metrics.jsonl rows (checked on reading)
+SUMMARY_FIELDS = {"final_val_loss": (int, float, type(None)), "parameters": int,
+                  "peak_memory_mib": (int, float)}
+
+
+def metric_fields(row: dict) -> dict:
+    number = (int, float)
+    return {"split": str, "step": int, "tokens": int, **({"val_loss": number} if row.get("split") == "val" else {})}
+
+
+def label_path(label: str) -> str:
+    """The filesystem-safe form of a design's label (``name:field=value:...``), for folder and
+    figure names: each colon written as ``+`` (``full:norm_eps=1e-12`` -> ``full+norm_eps=1e-12``)."""
+    return label.replace(":", "+")
+
+
+def run_name(design: str, seed: int, seeds) -> str:
+    """The folder of ``design``'s run for ``seed`` in a comparison over ``seeds``: the design's
+    label (``label_path``), with ``-seed<k>`` when there are several seeds."""
+    name = label_path(design)
+    return name if len(seeds) == 1 else f"{name}-seed{seed}"
+
+
+def _list_problem(index: dict, key: str, kind: type) -> str | None:
+    values = index.get(key)
+    if key not in index:
+        return f"has no {key!r}"
+    if not isinstance(values, list) or not values or any(type(v) is not kind for v in values):
+        return f"{key!r} is {values!r}, not a non-empty list of {kind.__name__}"
+    return None
+
+
+def _run_problem(index: dict, k: int, run) -> str | None:
+    if not isinstance(run, dict):
+        return f"runs[{k}] is {run!r}, not an object"
+    lacking = [key for key in ("design", "seed", "dir") if key not in run]
+    if lacking:
+        return f"runs[{k}] has no {lacking}"
+    if run["design"] not in index["designs"] or run["seed"] not in index["seeds"]:
+        return (f"runs[{k}] is design {run['design']!r}, seed {run['seed']!r}: not one the "
+                "comparison lists")
+    folder = run["dir"]
+    if not isinstance(folder, str) or folder in ("", ".", "..") or Path(folder).name != folder:
+        return f"runs[{k}] has dir {folder!r}: not the name of a folder inside the comparison's"
+    steps = [run.get(key) for key in ("steps", "steps_done") if key in run]
+    if any(type(v) is not int or v < 0 for v in steps):
+        return f"runs[{k}] has steps {steps}: not integers >= 0"
+    return None
+
+
+def index_problem(index) -> str | None:
+    """What is wrong with a comparison's ``compare.json`` (``index``), or None: it is an object
+    with its ``designs`` and ``seeds`` (non-empty lists), and ``runs``, each naming one of them
+    once and a folder inside the comparison's, with its steps (planned and done) when given."""
+    if not isinstance(index, dict):
+        return f"holds {type(index).__name__} {index!r:.40}, not an object"
+    problem = _list_problem(index, "designs", str) or _list_problem(index, "seeds", int)
+    if problem:
+        return problem
+    if not isinstance(index.get("runs"), list):
+        return "has no 'runs' list"
+    for k, run in enumerate(index["runs"]):
+        problem = _run_problem(index, k, run)
+        if problem:
+            return problem
+    pairs = [(r["design"], r["seed"]) for r in index["runs"]]
+    if len(set(pairs)) != len(pairs):
+        return "lists a design and seed twice in 'runs'"
+    if not isinstance(index.get("complete", True), bool):
+        return f"'complete' is {index['complete']!r}, not true or false"
+    return None
+
+
+def load_index(compare_dir: Path) -> dict:
+    """A comparison's ``compare.json``, checked (``index_problem``): ``ValueError`` naming the
+    file and what is wrong."""
+    index_path = Path(compare_dir) / "compare.json"
+    if not index_path.exists():
+        raise ValueError(f"{compare_dir} is not a comparison folder: compare.json is missing")
+    index = read_json(index_path)
+    problem = index_problem(index)
+    if problem:
+        raise ValueError(f"{index_path} {problem}; was it cut short or edited by hand?")
+    return index
+
+
+def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
+    """The comparison's index and the runs it records, each with its saved files."""
+    compare_dir = Path(compare_dir)
+    index = load_index(compare_dir)
+    runs = []
+    for entry in index["runs"]:
+        d = compare_dir / entry["dir"]
+        missing = [n for n in ("summary.json", "metrics.jsonl", "config.json") if not (d / n).exists()]
+        if missing:
+            raise ValueError(f"run {d} is incomplete: {missing} missing")
+        run = dict(entry)
+        run["summary"] = read_json(d / "summary.json", SUMMARY_FIELDS)
+        run["config"] = read_json(d / "config.json", {s: dict for s in ("model", "data", "run")})
+        run["metrics"] = read_jsonl(d / "metrics.jsonl", metric_fields)
+        analysis = d / "analysis.json"
+        run["analysis"] = read_json(analysis) if analysis.exists() else None
+        runs.append(run)
+    return index, runs
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """``"; its last checkpoint is step N"`` from a run folder's ``checkpoints/latest``, or ''."""
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_text()
+        return f"; its last checkpoint is step {int(name.split('-')[1])}"
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def run_status(root: Path, index: dict, runs: list[dict]) -> dict[tuple[str, int], str | None]:
+    """``(design, seed)`` -> None for every run the comparison plans that finished its steps,
+    else what became of it: stopped at a step (``steps_done`` of ``steps`` in ``compare.json``,
+    or for an older comparison its summary's steps against its config's), killed while it
+    trained (a folder that ``compare.json`` does not record), or not started."""
+    entries = {(r["design"], r["seed"]): r for r in runs}
+    status = {}
+    for seed in index["seeds"]:
+        for design in index["designs"]:
+            run, folder = entries.get((design, seed)), root / run_name(design, seed, index["seeds"])
+            if run is not None:
+                steps = run.get("steps", run["config"].get("run", {}).get("steps"))
+                done = run.get("steps_done", run["summary"].get("steps", steps))
+                finished = steps is None or done >= steps
+                status[design, seed] = None if finished else f"stopped at step {done} of {steps}"
+            elif folder.is_dir():
+                status[design, seed] = ("killed while it trained (compare.json has no record of it)"
+                                        + _last_checkpoint(folder))
+            else:
+                status[design, seed] = "not started"
+    return status
+
+
+def by_design(runs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for run in runs:
+        out.setdefault(run["design"], []).append(run)
+    return out
+
+
+def val_curve(run: dict) -> dict[int, float]:
+    """Validation loss by training tokens."""
+    return {m["tokens"]: m["val_loss"] for m in run["metrics"] if m["split"] == "val"}
+
+
+def choose_baseline(designs, requested: str | None = None) -> str:
+    """``requested`` when given (it must be one of ``designs``), else ``prenorm`` when it is
+    among them, else the first design."""
+    designs = list(designs)
+    if requested is not None:
+        if requested not in designs:
+            raise ValueError(f"baseline {requested!r} is not among the designs {designs}")
+        return requested
+    return "prenorm" if "prenorm" in designs else designs[0]
+
+
+def final_losses(runs: list[dict]) -> dict[str, float]:
+    """Seed (a string, as in results.json) -> final validation loss."""
+    return {str(r["seed"]): r["summary"]["final_val_loss"] for r in runs}
+
+
+def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
+    """What ``results.json`` holds: every design's final validation loss per seed, and for each
+    design but the baseline its paired difference to the baseline (``analysis.stats``)."""
+    base = final_losses(designs[baseline])
+    out = {"baseline": baseline, "designs": {}}
+    for name, runs in designs.items():
+        losses = final_losses(runs)
+        mean, sd = mean_and_sd(list(losses.values()))
+        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": sd}
+        if name != baseline:
+            paired = paired_difference(base, losses)
+            entry.update(diff_mean=paired["diff_mean"], ci95=paired["ci95"], verdict=paired["verdict"])
+        out["designs"][name] = entry
+    return out
+
+
+@dataclass
+class Comparison:
+    """What every section of the report reads: the comparison's folder (where the figures go),
+    its index (``compare.json``), its runs in order and grouped by design, the baseline and the
+    numbers of ``results.json`` (``comparison_results``)."""
+
+    root: Path
+    index: dict
+    runs: list[dict]
+    designs: dict[str, list[dict]]
+    baseline: str
+    results: dict
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted({r["seed"] for r in self.runs})
+
+    def first_analyses(self, key: str) -> list[tuple[str, object]]:
+        """``(design, value)`` of analysis field ``key`` from each design's first run, where it
+        has one."""
+        return [(name, runs[0]["analysis"][key]) for name, runs in self.designs.items()
+                if runs[0]["analysis"] and runs[0]["analysis"].get(key)]
+
+
+def load_comparison(compare_dir: Path, baseline: str | None = None) -> Comparison:
+    """The comparison in ``compare_dir`` with its baseline: ``baseline`` when given, else the
+    one the comparison chose (``choose_baseline``). Only complete pairs are compared: the runs
+    of the seeds that every design finished (``run_status``); ``results`` says which seeds
+    those are (``seeds``), whether the comparison is ``complete`` and what is ``missing``."""
+    index, runs = load_runs(compare_dir)
+    status = run_status(Path(compare_dir), index, runs)
+    seeds = [s for s in index["seeds"] if all(status[d, s] is None for d in index["designs"])]
+    runs = [r for r in runs if r["seed"] in seeds]
+    designs = by_design(runs)
+    baseline = choose_baseline(index["designs"], baseline or index.get("baseline"))
+    results = comparison_results(designs, baseline) if runs else dict(baseline=baseline, designs={})
+    missing = [f"{d}, seed {s}: {text}" for (d, s), text in status.items() if text]
+    results.update(complete=not missing, seeds=seeds, missing=missing)
+    return Comparison(Path(compare_dir), index, runs, designs, baseline, results)

@@ -1,0 +1,119 @@
+"""The comparison report's figures (PNG files): validation loss curves, depth-weight heatmaps,
+expert load, and values over depth. Each takes ``matplotlib.pyplot`` (``pyplot``) and what it
+draws, read from a comparison's saved files (``analysis.comparison``), and writes one file.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .comparison import val_curve
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display); ``ValueError`` saying
+    how to install it when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("the report's figures need matplotlib: pip install 'attnres[report]'") from None
+    return plt
+
+
+def plot_loss_curves(plt, designs, path):
+    """Each design's validation loss: the mean over seeds, with a band from the lowest to the
+    highest seed where there are several."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for k, (name, runs) in enumerate(designs.items()):
+        curves = [val_curve(run) for run in runs]
+        tokens = sorted(set.intersection(*(set(c) for c in curves)))
+        if not tokens:
+            continue
+        values = [[c[t] for c in curves] for t in tokens]
+        ax.plot(tokens, [statistics.fmean(v) for v in values], marker="o", ms=3, label=name, color=f"C{k}")
+        if len(curves) > 1:
+            ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=f"C{k}", alpha=0.2)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("Validation loss" + (" (mean over seeds; band: lowest to highest seed)"
+                                      if any(len(r) > 1 for r in designs.values()) else ""))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_depth_weights(plt, name, analysis, path):
+    """One heatmap per head of a design's depth weights (``analysis["depth_weights"]``: site ->
+    ``[N_sources][heads]``, the mean over validation tokens): routing sites by sources."""
+    import numpy as np
+
+    weights = analysis["depth_weights"]
+    sites = sorted(weights, key=int)
+    n_src = max(len(weights[s]) for s in sites)
+    heads = len(weights[sites[0]][0])
+    grid = np.full((heads, len(sites), n_src), np.nan)
+    for r, s in enumerate(sites):
+        w = np.asarray(weights[s])  # [N, H]
+        grid[:, r, : w.shape[0]] = w.T
+    fig, axes = plt.subplots(1, heads, figsize=(1.2 + 3.2 * heads if heads > 1 else 6, 0.6 + 0.28 * len(sites)), squeeze=False)
+    M = analysis["num_sublayers"]
+    labels = [("output" if int(s) == M else f"{int(s)} {'attn' if int(s) % 2 == 0 else 'mlp'}") for s in sites]
+    # softmax weights on the scale 0..1; DenseFormer's weights are free scalars (1 at
+    # initialization), shown on the range they reach
+    vmin, vmax = min(0.0, float(np.nanmin(grid))), max(1.0, float(np.nanmax(grid)))
+    for h in range(heads):
+        ax = axes[0, h]
+        im = ax.imshow(grid[h], vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
+        ax.set_yticks(range(len(sites)), labels if h == 0 else [""] * len(sites), fontsize=7)
+        ax.set_xlabel("source (0 = embedding)")
+        ax.set_title(f"head {h}" if heads > 1 else name)
+    fig.colorbar(im, ax=axes[0, -1], fraction=0.05)
+    fig.suptitle(f"{name}: depth weights, mean over validation tokens", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_expert_load(plt, loads, path):
+    """One heatmap per design: MoE layers by experts, the fraction of assignments (1/E: even)."""
+    import numpy as np
+
+    layers, experts = np.asarray(loads[0][1]).shape
+    fig, axes = plt.subplots(1, len(loads), figsize=(1.0 + (1.2 + 0.3 * experts) * len(loads), 1.2 + 0.3 * layers),
+                             squeeze=False, constrained_layout=True)
+    vmax = max(2.0 / experts, max(float(np.max(load)) for _, load in loads))
+    for i, (ax, (name, load)) in enumerate(zip(axes[0], loads)):
+        im = ax.imshow(np.asarray(load), vmin=0, vmax=vmax, cmap="magma", aspect="auto")
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(range(experts))
+        ax.set_yticks(range(layers))
+        ax.set_xlabel("expert")
+        if i == 0:
+            ax.set_ylabel("MoE layer")
+    fig.colorbar(im, ax=axes[0, -1], fraction=0.08)
+    fig.suptitle("Expert load: fraction of top-k assignments, validation tokens", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_per_depth(plt, designs, key, ylabel, title, xlabel, path):
+    """One value per depth (``key`` of each design's first run: a list, or None where the run has
+    none), a line per design on a log scale."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, runs in designs.items():
+        values = key(runs[0])
+        if values:
+            ax.plot(range(len(values)), values, marker="o", ms=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
