@@ -1,12 +1,25 @@
-"""The ``attnres`` command line: compare, train, generate, report, convert, export, eval."""
+"""The ``attnres`` command line: compare, train, generate, report, convert, export, eval, serve.
+
+It answers at once where it can: the parser, every help text and the refusal of a bad argument or
+an unknown design or preset name need only ``attnres/names.py``, and PyTorch (seconds to load) is
+imported only once a command runs. A Ctrl-C while it starts prints one line and exits 130
+(``starting``); ``ATTNRES_PAUSE_AT`` (``pause_at``) lets a test stop start-up at a known point.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import os
+import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
+from .names import DEFAULT_DESIGNS, DESIGNS, PRESET_NAMES
 
 
 def _config_from_args(args, assignments=None, base=None):
@@ -14,6 +27,7 @@ def _config_from_args(args, assignments=None, base=None):
     assignments (or ``assignments``) applied together: checked as one whole, so their order
     never matters, and a setting that would not be applied is refused."""
     from .train.config import apply_overrides, preset
+    from .train.validate import check_run
 
     cfg = base or preset(args.preset)
     if assignments is None:
@@ -26,7 +40,7 @@ def _config_from_args(args, assignments=None, base=None):
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
-    cfg.validate()
+    check_run(cfg)
     return cfg
 
 
@@ -51,9 +65,28 @@ def _block_layers(text: str):
     return values[0] if len(values) == 1 else values
 
 
+def _preset_name(name: str) -> str:
+    """``--preset``: one of ``PRESET_NAMES``, refused here as ``train/config.py``'s ``preset`` would."""
+    if name not in PRESET_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown preset {name!r}; expected one of {sorted(PRESET_NAMES)}")
+    return name
+
+
+def _design_label(label: str) -> str:
+    """``--designs`` and ``--baseline``: a design's label, ``name[:field=value:...]``. An unknown
+    name is refused here, with the words of ``train/compare.py``'s ``parse_design``, which checks
+    the rest (the options, and a name of characters no label may hold) once the command runs."""
+    name = label.partition(":")[0]
+    if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS:
+        raise argparse.ArgumentTypeError(f"design {label!r}: unknown design {name!r}; expected one of "
+                                         f"{sorted(DESIGNS)}, optionally with options: name:field=value:...")
+    return label
+
+
 def _add_config_args(p, default_preset, note=""):
-    p.add_argument("--preset", default=default_preset,
-                   help=f"tiny, demo, small, study or ablations (default: %(default)s{note})")
+    names = ", ".join(PRESET_NAMES[:-1]) + f" or {PRESET_NAMES[-1]}"
+    p.add_argument("--preset", default=default_preset, type=_preset_name,
+                   help=f"{names} (default: %(default)s{note})")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set model.residual=block --set optim.lr=3e-4")
     p.add_argument("--data", help="text file or folder, folder with train.bin/val.bin, or hf:NAME[:CONFIG] "
@@ -219,25 +252,23 @@ def cmd_serve(args) -> int:
 
 
 def _add_compare(sub) -> None:
-    from .train.compare import DEFAULT_DESIGNS, DESIGNS
-
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
     _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5; ablations: the AttnRes "
                                 "paper's ablation rows (docs/RESULTS.md) over seeds 0-2, at the study's size")
-    p.add_argument("--designs", nargs="+", metavar="DESIGN",
+    p.add_argument("--designs", nargs="+", metavar="DESIGN", type=_design_label,
                    help=f"from {sorted(DESIGNS)}, each optionally with options of its own, name:field=value:..., "
                         f"e.g. full:norm_eps=1e-12 block:block_size=4 (default: the preset's, else "
                         f"{' '.join(DEFAULT_DESIGNS)})")
     p.add_argument("--seeds", nargs="+", type=int,
                    help="one run per design per seed; several give paired intervals (default: the preset's, else 0)")
-    p.add_argument("--baseline", metavar="DESIGN",
+    p.add_argument("--baseline", metavar="DESIGN", type=_design_label,
                    help="the design the others are compared with (default: prenorm when chosen, else the first)")
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
     p.add_argument("--resume", metavar="COMPARISON_DIR",
                    help="continue a comparison that was stopped, where it stopped, with its own "
                         "settings (given alone: its finished runs are kept, the others continue "
                         "from their checkpoints)")
-    p.set_defaults(fn=cmd_compare)
+    p.set_defaults(fn=cmd_compare, loads=("attnres.train.compare",))
 
 
 def _add_train(sub) -> None:
@@ -246,7 +277,7 @@ def _add_train(sub) -> None:
     p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")
-    p.set_defaults(fn=cmd_train)
+    p.set_defaults(fn=cmd_train, loads=("attnres.train.trainer",))
 
 
 def _add_generate(sub) -> None:
@@ -258,14 +289,15 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_generate)
+    p.set_defaults(fn=cmd_generate, loads=("attnres.train.checkpoint", "attnres.train.run_dir"))
 
 
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="rebuild a comparison report from its saved artifacts")
     p.add_argument("run_dir")
-    p.add_argument("--baseline", metavar="DESIGN", help="compare with this design (default: the comparison's)")
-    p.set_defaults(fn=cmd_report)
+    p.add_argument("--baseline", metavar="DESIGN", type=_design_label,
+                   help="compare with this design (default: the comparison's)")
+    p.set_defaults(fn=cmd_report, loads=("attnres.analysis.report",))
 
 
 def _add_convert(sub) -> None:
@@ -277,7 +309,7 @@ def _add_convert(sub) -> None:
                    help="transformer layers per block, or a comma list of layers in each block "
                         "(uneven blocks, e.g. 2,2,3,1) (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a destination folder that is not empty")
-    p.set_defaults(fn=cmd_convert)
+    p.set_defaults(fn=cmd_convert, loads=("attnres.hf",))
 
 
 def _add_export(sub) -> None:
@@ -285,7 +317,7 @@ def _add_export(sub) -> None:
     p.add_argument("run_dir", help="the run's folder (one process's checkpoints or a sharded run's)")
     p.add_argument("out", help="folder to write the model and its byte tokenizer to")
     p.add_argument("--overwrite", action="store_true", help="replace an output folder that is not empty")
-    p.set_defaults(fn=cmd_export)
+    p.set_defaults(fn=cmd_export, loads=("attnres.hf.export",))
 
 
 def _add_eval(sub) -> None:
@@ -296,7 +328,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=1)
-    p.set_defaults(fn=cmd_eval)
+    p.set_defaults(fn=cmd_eval, loads=("attnres.hf.evaluate",))
 
 
 def _add_serve(sub) -> None:
@@ -305,10 +337,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="memory for vLLM's KV cache (GiB)")
-    p.set_defaults(fn=cmd_serve)
+    p.set_defaults(fn=cmd_serve, loads=("attnres.serving.server",))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand. Each sets ``fn``, the function that runs it, and ``loads``,
+    the modules it runs on, which ``main`` imports while the command line starts (``starting``)."""
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")
     for add in (_add_compare, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval,
@@ -317,22 +351,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if not getattr(args, "fn", None):
-        parser.print_help()
-        return 2
+#: the points of start-up where ``ATTNRES_PAUSE_AT`` stops it, in order: before the parser, after
+#: parsing, after the command's modules (PyTorch among them) loaded, as the command starts to run
+PAUSE_POINTS = ("start", "parsed", "loaded", "running")
+
+
+def pause_at(point: str) -> None:
+    """With ``ATTNRES_PAUSE_AT=POINT`` (one of ``PAUSE_POINTS``), stop there: ``attnres: paused at
+    POINT`` on stderr, then wait for a signal. A test sends its Ctrl-C at a known point of
+    start-up this way, not after a guessed delay."""
+    if os.environ.get("ATTNRES_PAUSE_AT") == point:
+        print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
+        while True:
+            signal.pause()  # a handler that returns (none here does) would wait again
+
+
+def _end_at_once(signum, frame) -> None:
+    """SIGINT while the command line starts: one line, exit status 130, at once (``starting``)."""
+    os.write(2, b"attnres: interrupted\n")
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def starting():
+    """While the command line starts (its parser, then the modules of its command), SIGINT ends
+    the process at once: one line, exit status 130. Nothing has been written yet that would need
+    undoing, and a ``KeyboardInterrupt`` raised inside an extension's import (PyTorch's) can end
+    in a traceback of dozens of lines or an abort (status 134) instead. The previous handler comes
+    back afterwards: the command runs with Python's (``KeyboardInterrupt``, caught in ``main``),
+    and a training's steps with the trainer's (a checkpoint, then 130). A SIGINT the process
+    ignores (started in the background) stays ignored, and only the main thread can set handlers."""
+    own = (threading.current_thread() is threading.main_thread()
+           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, _end_at_once) if own else None
     try:
+        yield
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
+def main(argv=None) -> int:
+    command = "attnres"
+    try:
+        with starting():
+            pause_at("start")
+            parser = build_parser()
+            args = parser.parse_args(argv)  # --help and refusals exit here, before PyTorch loads
+            args.argv = list(sys.argv[1:] if argv is None else argv)
+            if not getattr(args, "fn", None):
+                parser.print_help()
+                return 2
+            command = f"attnres {args.command}"
+            pause_at("parsed")
+            for module in args.loads:  # the command's modules (PyTorch among them), ahead of fn
+                importlib.import_module(module)
+            pause_at("loaded")
+        pause_at("running")
         return args.fn(args)
-    except KeyboardInterrupt:  # Ctrl-C outside a training's steps (those save and stop)
-        print(f"attnres {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C once started, outside a training's steps (those save and stop)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
     except ValueError as exc:  # bad input: a clear message, not a traceback
         # every torchrun rank checks the same input and fails alike: rank 0 speaks for them
         if _rank() == 0:
-            print(f"attnres {args.command}: error: {exc}", file=sys.stderr)
+            print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError, MemoryError) as exc:
         from .train.checkpoint import CheckpointError
@@ -343,7 +426,7 @@ def main(argv=None) -> int:
             raise  # a defect, not the user's input or the machine: keep its traceback
         where = f" (rank {_rank()})" if _rank() else ""  # a fault may hit one rank only
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"attnres {args.command}: error{where}: {text}", file=sys.stderr)
+        print(f"{command}: error{where}: {text}", file=sys.stderr)
         return 1
 
 
@@ -356,8 +439,6 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def _rank() -> int:
     """This process's rank under torchrun (0 outside it)."""
-    import os
-
     return int(os.environ.get("RANK", "0"))
 
 

@@ -12,9 +12,10 @@ from attnres.ops import BACKENDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "attnres"
 # each imports only from those before it (train's compare drives analysis; hf's finetune uses train's step);
-# moe.py imports nothing of the package; the model's config reads the streams' options and MoE's balance
-# rules, and model builds on its config, its decoding (generation.py: the KV cache, sampling) and its MLPs
-LAYERS = ["cache|files", "ops", "streams", "moe", "model_config|generation", "model", "analysis", "train",
+# names.py (the designs and presets the command line offers) and moe.py import nothing of the package;
+# the model's config reads the streams' options and MoE's balance rules, and model builds on its config,
+# its decoding (generation.py: the KV cache, sampling) and its MLPs
+LAYERS = ["cache|files|names", "ops", "streams", "moe", "model_config|generation", "model", "analysis", "train",
           "hf|serving", "cli|__main__|__init__"]
 #: the longest a function or method of the package may be, decorators and docstring included
 MAX_FUNCTION_LINES = 100

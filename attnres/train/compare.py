@@ -24,27 +24,15 @@ from ..analysis.report import (check_report_dependencies, choose_baseline, label
                                write_report)
 from ..files import read_json
 from ..model import ModelConfig, Transformer
+from ..names import COMPARISON_PRESETS, DEFAULT_DESIGNS, DESIGNS
 from ..streams import MODEL_OPTIONS, STREAMS
 from .checkpoint import latest_checkpoint, load_checkpoint
-from .config import COMPARISON_PRESETS, TrainConfig, from_dict, parse_value, to_dict
+from .config import TrainConfig, from_dict, parse_value, to_dict
 from .data import batch_at, load_corpus
 from .lock import FolderLock
 from .run_dir import RUN_FILES
 from .trainer import EVAL_SEED, Signals, exit_status, train
 
-# label -> model options; "n_kv_heads" stands for the model's number of KV heads
-DESIGNS: dict[str, dict] = {
-    "prenorm": dict(residual="prenorm"),
-    "block": dict(residual="block", num_blocks=8),
-    "mhar": dict(residual="block", num_blocks=8, heads="n_kv_heads"),
-    "full": dict(residual="full"),
-    "mhc": dict(residual="mhc"),
-    "gr": dict(residual="gr"),
-    "hc": dict(residual="hc"),
-    "delta": dict(residual="delta", num_blocks=8, heads="n_kv_heads"),
-    "denseformer": dict(residual="denseformer"),
-}
-DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 #: what every design of a comparison shares: the model's fields but the residual kind and options
 SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
 

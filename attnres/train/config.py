@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..model import ModelConfig
+from ..names import ABLATIONS, PRESET_NAMES  # noqa: F401  (ABLATIONS: read here by its users)
 from .validate import FIELDS, check_run  # noqa: F401  (FIELDS: what each field accepts, read here by its users)
 
 
@@ -165,22 +166,9 @@ def ablations() -> TrainConfig:
     return study()
 
 
-PRESETS = {"tiny": tiny, "demo": demo, "small": small, "study": study, "ablations": ablations}
-#: the rows of the AttnRes paper's ablation table (its Table 4) that run at the study's size, as
-#: designs of a comparison (docs/RESULTS.md maps each to its row): the baseline, Full and its
-#: switches, Block (8 blocks of 2 sublayers) and its switches, the block-size sweep and the
-#: mixing rules without a pseudo-query
-ABLATIONS = (
-    "prenorm", "full", "full:query=input", "full:score=sigmoid", "full:key_norm=false", "full:mixing=learned",
-    "full:window=8", "block", "block:block_size=4", "block:block_size=8", "block:block_size=16", "block:heads=16",
-    "block:key_norm=false", "denseformer",
-)
-#: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
-#: (others: ``compare.DEFAULT_DESIGNS``, seed 0)
-COMPARISON_PRESETS = {
-    "study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)},
-    "ablations": {"designs": ABLATIONS, "seeds": (0, 1, 2)},
-}
+#: name -> the function of that name above; the names, and the designs each comparison preset
+#: compares (``COMPARISON_PRESETS``, ``ABLATIONS``), are in ``attnres/names.py``
+PRESETS = {name: globals()[name] for name in PRESET_NAMES}
 
 
 def preset(name: str) -> TrainConfig:

@@ -1,0 +1,40 @@
+"""The names the command line offers, in a module that imports nothing: the designs a comparison
+trains (with each one's model options), the training presets, and what each comparison preset
+compares. ``attnres --help``, every subcommand's help and the refusal of an unknown name read them
+here, so that they answer before PyTorch loads (seconds); ``train/compare.py`` and
+``train/config.py``, which act on the names, take them from here too: each list is written once.
+"""
+
+#: a comparison's designs: label -> model options (``ModelConfig`` fields); "n_kv_heads" stands
+#: for the model's number of KV heads (``train/compare.py``, ``design_options``)
+DESIGNS: dict[str, dict] = {
+    "prenorm": dict(residual="prenorm"),
+    "block": dict(residual="block", num_blocks=8),
+    "mhar": dict(residual="block", num_blocks=8, heads="n_kv_heads"),
+    "full": dict(residual="full"),
+    "mhc": dict(residual="mhc"),
+    "gr": dict(residual="gr"),
+    "hc": dict(residual="hc"),
+    "delta": dict(residual="delta", num_blocks=8, heads="n_kv_heads"),
+    "denseformer": dict(residual="denseformer"),
+}
+#: what ``attnres compare`` trains when neither ``--designs`` nor its preset names the designs
+DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
+
+#: the training presets, each made by the function of its name in ``train/config.py``
+PRESET_NAMES = ("tiny", "demo", "small", "study", "ablations")
+#: the rows of the AttnRes paper's ablation table (its Table 4) that run at the study's size, as
+#: designs of a comparison (docs/RESULTS.md maps each to its row): the baseline, Full and its
+#: switches, Block (8 blocks of 2 sublayers) and its switches, the block-size sweep and the
+#: mixing rules without a pseudo-query
+ABLATIONS = (
+    "prenorm", "full", "full:query=input", "full:score=sigmoid", "full:key_norm=false", "full:mixing=learned",
+    "full:window=8", "block", "block:block_size=4", "block:block_size=8", "block:block_size=16", "block:heads=16",
+    "block:key_norm=false", "denseformer",
+)
+#: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
+#: (others: ``DEFAULT_DESIGNS``, seed 0)
+COMPARISON_PRESETS = {
+    "study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)},
+    "ablations": {"designs": ABLATIONS, "seeds": (0, 1, 2)},
+}
