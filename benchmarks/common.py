@@ -33,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from attnres.train.trainer import peak_memory_mib
+from attnres.train.resources import peak_memory_mib
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent

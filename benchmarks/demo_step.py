@@ -80,6 +80,11 @@ class Package:
         module = lambda name: importlib.import_module(f"{root.__name__}.train.{name}")  # noqa: E731
         config, compare = module("config"), module("compare")
         self.trainer = module("trainer")
+        try:  # the placement of one process, as the revision's trainer takes it
+            run_plan = module("parallel_plan").run_plan
+            self.start_processes = lambda cfg: self.trainer.start_processes(cfg, run_plan(cfg, 1))
+        except ModuleNotFoundError:  # a revision from before the parallel plan
+            self.start_processes = self.trainer.start_processes
         self.train, self.design_config = self.trainer.train, compare.design_config
         base = config.demo()
         base.run = dataclasses.replace(base.run, steps=steps, eval_every=steps, log_every=min(10, steps),
@@ -110,7 +115,7 @@ def paired_times(packages: dict, variants: list[str], rounds: int, warmup: int, 
         trainer = package.trainer
         cfg = dataclasses.replace(package.base, model=package.design_config(package.base.model, design))
         cfg, corpus = trainer.load_data(cfg, tmp / variant, package.corpus)
-        runs[variant] = (trainer, trainer.start(cfg, tmp / variant, corpus, trainer.start_processes(cfg)))
+        runs[variant] = (trainer, trainer.start(cfg, tmp / variant, corpus, package.start_processes(cfg)))
     for step in range(warmup):
         for trainer, run in runs.values():
             trainer.train_step(run, step, False)

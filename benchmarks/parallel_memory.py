@@ -47,14 +47,15 @@ def worker(layout: str, out: Path) -> None:
     from attnres import ModelConfig
     from attnres.model import lm_loss
     from attnres.train.config import RunConfig, TrainConfig
+    from attnres.train.parallel_plan import run_plan
     from attnres.train.stage_local import rank_footprint
     from attnres.train.steps import accumulate_gradients
     from attnres.train.trainer import build_model, build_optimizer, start_processes
 
-    _, run = LAYOUTS[layout]
+    processes, run = LAYOUTS[layout]
     cfg = TrainConfig(model=ModelConfig(**SIZES, **DESIGNS["block"]),
                       run=RunConfig(batch_size=BATCH, seq_len=SEQ, device="cpu", **run))
-    place = start_processes(cfg)
+    place = start_processes(cfg, run_plan(cfg, processes))
     base = rss_mib()
     model, wrapped, forward, pipe = build_model(cfg, place)
     optimizer = build_optimizer(cfg.optim, model)

@@ -24,8 +24,8 @@ from common import print_table, write_csv  # noqa: E402
 from train_step import SIZES, VARIANTS  # noqa: E402
 
 from attnres import ModelConfig, Transformer  # noqa: E402
-from attnres.train.pipeline import stage_bounds, stage_indices, stage_modules  # noqa: E402
-from attnres.train.stage_cache import CACHED_RESIDUALS  # noqa: E402
+from attnres.train.parallel_plan import CACHED_RESIDUALS, ParallelPlan, plan_parallel  # noqa: E402
+from attnres.train.pipeline_stages import stage_modules  # noqa: E402
 
 DESIGNS = ("prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr")
 BATCH, SEQ = 2, 256
@@ -34,11 +34,17 @@ RANKS = 4
 LAYOUTS = {"4 stages": ("1f1b", 1), "8 virtual, looped": ("interleaved1f1b", 2), "8 virtual, V": ("zbv", 2)}
 
 
+def layout_plan(model: Transformer, schedule: str, per_rank: int, caching: bool) -> ParallelPlan:
+    return plan_parallel(model.config, RANKS, pp_size=RANKS, schedule=schedule, stages_per_rank=per_rank,
+                         cache="on" if caching else "off")
+
+
 @torch.no_grad()
 def measured(model: Transformer, schedule: str, per_rank: int, caching: bool) -> list[int]:
     """Bytes each hop sends for one micro-batch (0 where both stages are on one rank)."""
-    modules = stage_modules(model, schedule, RANKS, per_rank, caching=caching)
-    owner = {s: r for r in range(RANKS) for s in stage_indices(schedule, r, RANKS, per_rank)}
+    plan = layout_plan(model, schedule, per_rank, caching)
+    modules = stage_modules(model, plan)
+    owner = plan.owners
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     mb = torch.zeros(1, dtype=torch.long)
     sent, outputs = [], (tokens,)
@@ -71,9 +77,9 @@ def analytical(model: Transformer, schedule: str, per_rank: int, caching: bool) 
         ends = {sum(sizes[: k + 1]) for k in range(len(sizes))}
         return int(cut not in ends) + (kind == "delta")
 
-    n = RANKS * per_rank
-    bounds = stage_bounds(model.config.num_sublayers, n)
-    owner = {s: r for r in range(RANKS) for s in stage_indices(schedule, r, RANKS, per_rank)}
+    plan = layout_plan(model, schedule, per_rank, caching)
+    n, owner = len(plan.stages), plan.owners
+    bounds = [(stage.first, stage.last) for stage in plan.stages]
     counts = []
     for s in range(1, n):
         if owner[s] == owner[s - 1]:

@@ -58,8 +58,8 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
     from attnres import ModelConfig, Transformer
     from attnres.model import lm_loss
     from attnres.train.materialize import rank_model
-    from attnres.train.pipeline import build_pipeline, rank_part
-    from attnres.train.stage_local import Part
+    from attnres.train.parallel_plan import plan_parallel
+    from attnres.train.pipeline import build_pipeline
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,15 +70,17 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
     y = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=g)
     options = VARIANTS[variant]
     if options is None:
-        model = rank_model(config, 0, Part.whole(config))
+        model = rank_model(config, 0, plan_parallel(config, world).part(0))
         ddp = DistributedDataParallel(model)
         rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
 
         def backward():
             lm_loss(ddp(x[rows]), y[rows]).backward()
     else:
-        model = rank_model(config, 0, rank_part(config, options["schedule"], rank, world))
-        pipe = build_pipeline(model, options["schedule"], MICROBATCHES, cache=options["cache"])
+        plan = plan_parallel(config, world, pp_size=world, schedule=options["schedule"], microbatches=MICROBATCHES,
+                             cache=options["cache"])
+        model = rank_model(config, 0, plan.part(rank))
+        pipe = build_pipeline(model, plan)
 
         def backward():
             pipe.step(x, y)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from attnres.model import lm_loss
-from attnres.train.pipeline import MULTI_STAGE, build_pipeline
-from attnres.train.stage_cache import CACHED_RESIDUALS
+from attnres.train.parallel_plan import CACHED_RESIDUALS, MULTI_STAGE, plan_parallel
+from attnres.train.pipeline import build_pipeline
 from attnres.train.trainer import accumulate_gradients
 
 from .conftest import randomize_stream, tiny_model
@@ -62,7 +62,9 @@ def case(design: str, schedule: str, cache: str) -> tuple[dict, dict]:
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     model.zero_grad()
-    pipe = build_pipeline(model, schedule, MICROBATCHES, cache=cache)  # the rank's part only from here
+    ranks = dist.get_world_size()
+    plan = plan_parallel(model.config, ranks, pp_size=ranks, schedule=schedule, microbatches=MICROBATCHES, cache=cache)
+    pipe = build_pipeline(model, plan)  # the rank's part only from here
     loss = pipe.step(x, y)
     norm = pipe.clip_gradients(1e9)
     eval_loss = pipe.evaluate(x, y)

@@ -392,11 +392,12 @@ def test_two_identical_comparisons_log_identical_losses(tmp_path):
 def test_the_study_preset_names_its_designs_and_seeds():
     from attnres.train.compare import DEFAULT_DESIGNS, comparison_choice
     from attnres.train.config import preset
+    from attnres.train.validate import check_run
 
     assert comparison_choice("study") == (["prenorm", "block", "mhar", "full"], [0, 1, 2, 3, 4, 5])
     assert comparison_choice("study", ["block", "full"], [4]) == (["block", "full"], [4])  # given ones win
     assert comparison_choice("demo") == (list(DEFAULT_DESIGNS), [0])
-    preset("study").validate()  # `attnres train --preset study` trains one run of that size
+    check_run(preset("study"))  # `attnres train --preset study` trains one run of that size
 
 
 def test_the_ablations_preset_is_the_studys_size_with_every_row_as_a_valid_design():

@@ -14,8 +14,10 @@ import pytest
 
 import torch
 
-from attnres.train.pipeline import MULTI_STAGE, SCHEDULES, stage_bounds, stage_indices, stage_modules
-from attnres.train.stage_cache import sources_held, use_cache
+from attnres.train.parallel_plan import MULTI_STAGE, SCHEDULES, plan_parallel
+from attnres.train.pipeline_stages import stage_modules
+from attnres.train.stage_cache import sources_held
+from attnres.train.validate import check_run
 
 from .conftest import tiny_model
 from .pipeline_worker import DESIGNS, MOE, OTHERS
@@ -108,7 +110,6 @@ def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
     gives one process's loss bit for bit, and the gradient norm summed over the pipeline (the
     stream's rows counted once) one process's within 1e-6."""
     from attnres.model import Transformer
-    from attnres.train.pipeline import rank_part
     from attnres.train.stage_local import trim
 
     checked = 0
@@ -118,9 +119,10 @@ def test_a_rank_holds_evaluates_and_clips_only_its_part(results):
             extra = {"moe": MOE, "tied": dict(tie_embeddings=True)}.get(design, {})
             config = tiny_model("block" if extra else design, n_layers=4, **extra).config
             with torch.device("meta"):
-                expected = trim(Transformer(config, initialize=False), rank_part(config, schedule, index, 2))
+                plan = plan_parallel(config, 2, pp_size=2, schedule=schedule)
+                expected = trim(Transformer(config, initialize=False), plan.part(index))
             assert r["held"] == sorted(expected.state_dict()), key
-            assert r["stages"] == stage_indices(schedule, index, 2)
+            assert r["stages"] == [stage.index for stage in plan.stages_of(index)]
             assert r["eval_loss"] == r["ref_eval_loss"], (key, r)
             assert abs(r["norm"] - r["ref_norm"]) <= 1e-6 * r["ref_norm"], (key, r)
             checked += 1
@@ -259,7 +261,8 @@ def test_a_cached_stage_needs_its_micro_batch():
     from .conftest import tiny_model
 
     model = tiny_model("block", n_layers=4)
-    first = stage_modules(model, "interleaved1f1b", 2, caching=True)[0]
+    plan = plan_parallel(model.config, 2, pp_size=2, schedule="interleaved1f1b", cache="on")
+    first = stage_modules(model, plan)[0]
     with pytest.raises(ValueError, match=r"stage 0 reads and fills its rank's cache of sources: call it with "
                                          r"microbatch="):
         first(torch.zeros(1, 4, dtype=torch.long))
@@ -270,32 +273,6 @@ def test_which_sources_a_rank_holds_follows_the_placement():
     assert sources_held([0, 1, 0, 1], [1, 2, 3, 4]) == [0, 0, 1, 2]
     # V on 2 ranks: stage 2 follows stage 1 on its rank (handed over in memory), stage 3 holds stage 0's
     assert sources_held([0, 1, 1, 0], [1, 2, 3, 4]) == [0, 0, 0, 1]
-    assert use_cache("auto", "block", 2) and use_cache("auto", "full", 2) and use_cache("auto", "delta", 3)
-    assert not use_cache("auto", "block", 1) and not use_cache("auto", "prenorm", 2) and not use_cache("off", "block", 2)
-    with pytest.raises(ValueError, match=r"with 1 stage per rank there are none"):
-        use_cache("on", "block", 1)
-    with pytest.raises(ValueError, match=r"run.pp_cache='on' keeps the completed sources of the designs that store them"):
-        use_cache("on", "mhc", 2)
-
-
-def test_stages_cover_the_sublayers_as_given_or_evenly():
-    assert stage_bounds(8, 2) == [(0, 4), (4, 8)]
-    assert stage_bounds(8, 3) == [(0, 3), (3, 6), (6, 8)]
-    assert stage_bounds(8, 3, [2, 5, 1]) == [(0, 2), (2, 7), (7, 8)]
-    assert stage_indices("gpipe", 1, 2) == [1]
-    assert stage_indices("interleaved1f1b", 1, 2) == [1, 3]
-    assert stage_indices("zbv", 0, 2) == [0, 3] and stage_indices("dualpipev", 1, 2) == [1, 2]
-
-
-@pytest.mark.parametrize("call,message", [
-    (lambda: stage_bounds(4, 5), r"5 stages for 4 sublayers: a stage needs at least one sublayer"),
-    (lambda: stage_bounds(8, 3, [4, 4]), r"split=\[4, 4\] must be 3 positive sublayer counts summing to 8"),
-    (lambda: stage_bounds(8, 2, [8, 0]), r"split=\[8, 0\] must be 2 positive sublayer counts summing to 8"),
-    (lambda: stage_indices("pipedream", 0, 2), r"pipeline schedule 'pipedream' is not one of"),
-])
-def test_bad_stage_layouts_are_refused(call, message):
-    with pytest.raises(ValueError, match=message):
-        call()
 
 
 @pytest.mark.parametrize("sets,message", [
@@ -322,7 +299,7 @@ def test_bad_pipeline_options_are_refused_before_any_work(sets, message):
     for assignment in sets:
         cfg = apply_override(cfg, assignment)
     with pytest.raises(ValueError, match=re.escape(message)):
-        cfg.validate()
+        check_run(cfg)
 
 
 def test_a_pipeline_without_its_processes_is_refused_in_one_line(tmp_path, capsys):

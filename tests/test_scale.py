@@ -19,7 +19,7 @@ import torch
 
 from attnres.model import Transformer
 from attnres.train.materialize import rank_model
-from attnres.train.pipeline import rank_part
+from attnres.train.parallel_plan import plan_parallel
 from attnres.train.stage_local import Part, trim
 
 from .conftest import tiny_config
@@ -43,8 +43,9 @@ RESUMED = {
     "one": (1, ["--set", "run.pp_size=1", "--set", "run.grad_accum=4"]),
 }
 
-# under pytest-xdist (make test) the module runs in one worker, which launches each job once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scale_launches")]
+# under pytest-xdist the module runs in one worker, which launches each job once; the tests that
+# launch torchrun are marked slow (make test-slow)
+pytestmark = pytest.mark.xdist_group("scale_launches")
 
 
 def launcher(processes: int) -> list[str]:
@@ -91,6 +92,7 @@ def runs(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_a_pipeline_of_fsdp2_copies_trains_as_one_process_and_each_rank_holds_its_part(runs):
     """pp 2 x FSDP2 2: the losses of one process within 1e-5; the checkpoint sharded (DCP's
     metadata, a file per rank, no whole-model file); each rank's entry in the summary: its
@@ -108,6 +110,7 @@ def test_a_pipeline_of_fsdp2_copies_trains_as_one_process_and_each_rank_holds_it
     assert all(r["state_bytes"] >= 16 * r["param_count"] for r in ranks)  # weights, grads, two moments (fp32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(RESUMED))
 def test_a_sharded_checkpoint_resumes_in_every_layout(runs, layout):
     """Saved by pp 2 x FSDP2 2 after 2 steps and resumed in ``layout``: steps 3 and 4 give one
@@ -119,6 +122,7 @@ def test_a_sharded_checkpoint_resumes_in_every_layout(runs, layout):
     assert summary["world_size"] == RESUMED[layout][0] and summary["steps"] == 4
 
 
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_in_a_pipeline_of_fsdp2_copies(runs):
     """One process's checkpoint (safetensors and the numbered optimizer state) of step 2,
     resumed by pp 2 x FSDP2 2, each rank taking its part: steps 3 and 4 give the uninterrupted
@@ -128,6 +132,7 @@ def test_a_one_process_checkpoint_resumes_in_a_pipeline_of_fsdp2_copies(runs):
     assert (runs / "reference" / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_batch(runs, tmp_path):
     """A resume may change the layout, not the batch it draws: another run.batch_size is
     refused naming it, before any process starts."""
@@ -139,6 +144,7 @@ def test_a_resumed_run_keeps_its_batch(runs, tmp_path):
     assert "run.batch_size: the run's 8, given 4" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_export_writes_a_sharded_run_as_a_hugging_face_folder(runs, tmp_path):
     """``attnres export`` of the pp 2 x FSDP2 2 run: a folder ``from_pretrained`` loads, with the
     checkpoint's weights, giving the run's model's logits; refused without --overwrite once
@@ -173,7 +179,7 @@ def test_each_rank_builds_its_part_with_one_process_values(design, extra):
     layouts = [("1f1b", 2, None), ("1f1b", 4, None), ("interleaved1f1b", 2, 2), ("zbv", 2, None)]
     for schedule, ranks, per_rank in layouts:
         for rank in range(ranks):
-            part = rank_part(config, schedule, rank, ranks, per_rank)
+            part = plan_parallel(config, ranks, pp_size=ranks, schedule=schedule, stages_per_rank=per_rank).part(rank)
             model = rank_model(config, 3, part)
             assert torch.equal(torch.get_rng_state(), after)
             with torch.device("meta"):
@@ -183,10 +189,11 @@ def test_each_rank_builds_its_part_with_one_process_values(design, extra):
             for name, value in state.items():
                 assert torch.equal(value, reference[name]), (schedule, rank, name)
             assert not any(p.is_meta for p in model.parameters()) and not model.rope_cos.is_meta
-    whole = rank_model(config, 3, Part.whole(config)).state_dict()
+    whole = rank_model(config, 3, plan_parallel(config).part(0)).state_dict()
     assert all(torch.equal(v, reference[k]) for k, v in whole.items()) and len(whole) == len(reference)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     """Two ranks save step 1; during step 2's save rank 1 dies after writing its shard: the job
     fails, no step-2 folder exists, ``latest`` names step 1, and step 1 reads back with the
@@ -215,6 +222,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_launches_joined_as_two_hosts_train_as_one_launch(runs, tmp_path):
     """pp 2 x FSDP2 2 as two launches of two processes each ("hosts"), joined through a c10d
     rendezvous on a loopback endpoint, against the one launch of four: the same losses. Both
@@ -277,6 +285,7 @@ def test_a_tied_embeddings_optimizer_state_follows_it_to_the_rank_that_holds_the
         assert "state.tok_embeddings.weight.exp_avg" in saved and not any("lm_head" in k for k in saved)
 
 
+@pytest.mark.slow
 def test_a_tied_embedding_held_whole_by_one_rank_trains_in_a_pipeline_of_fsdp2_copies(runs, tmp_path):
     """pp 2 x FSDP2 2 under ZBV: rank 0 holds both ends, one tied parameter FSDP2 cannot shard
     as two roots, kept whole and averaged over the copies; one process's losses within 1e-5

@@ -231,7 +231,7 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path):
 
 
 def test_reliability_doc_lists_every_field_and_its_range():
-    from attnres.train.config import FIELDS
+    from attnres.train.validate import FIELDS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
     rows = dict(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| (.+?) \|$", doc, flags=re.M))

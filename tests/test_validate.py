@@ -167,26 +167,26 @@ def test_the_validator_takes_plain_values_and_leaves_the_config_as_it_was():
     cfg = config({**PP, "run.pp_microbatches": 4})
     before = to_dict(cfg)
     check_run(cfg, 2)
-    assert to_dict(cfg) == before and cfg.validate(2) is None
+    assert to_dict(cfg) == before and check_run(cfg, 2) is None
     with pytest.raises(ValueError, match=r"dividing the batch of 2 \(each of the 2 copies"):
-        replace(cfg).validate(4)
+        check_run(replace(cfg), 4)
 
 
 def test_the_validators_schedules_are_the_pipelines():
-    """The schedule names the validator holds as plain data are the pipeline module's, and the
+    """The schedule names the plan holds as plain data are the pipeline module's, and the
     multi-stage ones are those whose ``torch.distributed.pipelining`` class runs several stages
     per rank."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-    from attnres.train import pipeline, validate
+    from attnres.train import parallel_plan, pipeline
 
-    assert validate.SCHEDULES == pipeline.SCHEDULES == tuple(pipeline.SCHEDULE_CLASSES)
-    multi = tuple(name for name in validate.SCHEDULES
+    assert parallel_plan.SCHEDULES == tuple(pipeline.SCHEDULE_CLASSES)
+    multi = tuple(name for name in parallel_plan.SCHEDULES
                   if issubclass(getattr(pipelining, pipeline.SCHEDULE_CLASSES[name]), PipelineScheduleMulti))
-    assert multi == validate.MULTI_STAGE
-    assert set(validate.V_SHAPED) <= set(validate.MULTI_STAGE)
-    assert set(validate.NEEDS_A_MICROBATCH_PER_STAGE) <= set(validate.SCHEDULES)
+    assert multi == parallel_plan.MULTI_STAGE
+    assert set(parallel_plan.V_SHAPED) <= set(parallel_plan.MULTI_STAGE)
+    assert set(parallel_plan.NEEDS_A_MICROBATCH_PER_STAGE) <= set(parallel_plan.SCHEDULES)
 
 
 IMPORTS = """
@@ -194,7 +194,7 @@ import importlib, json, sys
 WATCHED = ("torch.distributed.pipelining", "attnres.train.pipeline", "attnres.train.stage_cache",
            "attnres.train.distributed", "attnres.train.trainer")
 loaded = {}
-for module in ("validate", "config", "pipeline"):
+for module in ("validate", "config", "parallel_plan", "pipeline"):
     importlib.import_module("attnres.train." + module)
     loaded[module] = sorted(m for m in sys.modules if m.startswith(WATCHED))
 print(json.dumps(loaded))
@@ -202,10 +202,11 @@ print(json.dumps(loaded))
 
 
 def test_the_validator_and_the_config_import_no_pipeline_machinery():
-    """A fresh interpreter: importing the validator, then the config, loads neither
-    ``torch.distributed.pipelining`` nor the package's pipeline, cache, process-group or trainer
-    modules; importing the pipeline module then does load its own (the check can see it)."""
+    """A fresh interpreter: importing the validator, then the config, then the parallel plan
+    loads neither ``torch.distributed.pipelining`` nor the package's pipeline, cache,
+    process-group or trainer modules; importing the pipeline module then does load its own (the
+    check can see it)."""
     out = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
-    assert loaded["validate"] == loaded["config"] == []
+    assert loaded["validate"] == loaded["config"] == loaded["parallel_plan"] == []
     assert "attnres.train.pipeline" in loaded["pipeline"] and "attnres.train.stage_cache" in loaded["pipeline"]

@@ -4,17 +4,15 @@ A checkpoint of one process is a folder ``step-NNNNNNN/`` holding ``model.safete
 (weights) and ``state.pt`` (optimizer state, RNG state, step, config; plain tensors and
 containers, loaded with ``weights_only=True``). A run of several processes writes the same
 folder sharded instead (``train/sharded.py``: DCP's files for the model and the optimizer, and
-``state.pt`` without the optimizer); every function here reads both. It is written under a temporary name, every file fsynced, then renamed;
-the file ``latest`` (itself replaced atomically) names the newest complete checkpoint. A crash or
-a full disk mid-write leaves the previous checkpoint untouched and ``latest`` pointing at it.
+``state.pt`` without the optimizer); every function here reads both. Either is written and
+published atomically, with ``latest`` naming the newest complete one
+(``train/checkpoint_folder.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
-import re
 import shutil
 from pathlib import Path
 
@@ -22,28 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..model import ModelConfig
-
-KEEP = 2  # complete checkpoints kept on disk
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read; the message says which and why."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, write) -> None:
-    write(path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
+from ..model import ModelConfig, Transformer
+from .checkpoint_folder import CheckpointError, is_sharded, latest_checkpoint, prune, publish, write_synced
+from .sharded import read_weights
+from .validate import load_saved
 
 def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, train_state: dict) -> Path:
     """Write ``model_state`` (name -> tensor) and ``train_state`` as checkpoint ``step``."""
@@ -56,70 +36,21 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, train_state: 
         tmp.mkdir()
         # safetensors refuses aliased tensors (tied embeddings): store each storage once
         weights = {k: v.detach().contiguous().clone() for k, v in model_state.items()}
-        _write_file(tmp / "model.safetensors", lambda p: save_file(weights, str(p)))
-        _write_file(tmp / "state.pt", lambda p: torch.save(train_state, p))
+        write_synced(tmp / "model.safetensors", lambda p: save_file(weights, str(p)))
+        write_synced(tmp / "state.pt", lambda p: torch.save(train_state, p))
         publish(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(ckpt_root)
         kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"saving checkpoint {final} failed ({exc.strerror or exc}); {kept}") from exc
-    _prune(ckpt_root, keep=final)
+    prune(ckpt_root, keep=final)
     return final
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Make the complete checkpoint written in folder ``tmp`` the checkpoint ``final`` (same
-    parent): its files synced, renamed into place, then ``latest`` replaced to name it."""
-    ckpt_root = final.parent
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = ckpt_root / ".latest.tmp"
-    _write_file(latest_tmp, lambda p: p.write_text(final.name))
-    os.replace(latest_tmp, ckpt_root / "latest")
-    _fsync_dir(ckpt_root)
-
-
-def _prune(ckpt_root: Path, keep: Path) -> None:
-    done = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
-    for old in done[:-KEEP]:
-        if old != keep:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint that ``latest`` names, or None when there is no ``latest``;
-    ``CheckpointError`` when it names no complete checkpoint of this folder (a pointer that is
-    garbage, leads elsewhere or names a missing folder)."""
-    ckpt_root = Path(ckpt_root)
-    pointer = ckpt_root / "latest"
-    if not pointer.exists() and not pointer.is_symlink():
-        return None
-    if pointer.is_symlink() or not pointer.is_file():
-        raise CheckpointError(f"{pointer} is not a plain file naming a checkpoint; remove it or write the name "
-                              f"of a step-NNNNNNN folder into it")
-    try:
-        name = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{pointer} cannot be read ({exc})") from None
-    if not re.fullmatch(r"step-[0-9]{7}", name):
-        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a checkpoint folder step-NNNNNNN of {ckpt_root}")
-    path = ckpt_root / name
-    if path.is_symlink() or not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name}, which is not a checkpoint folder in {ckpt_root}")
-    return path
 
 
 #: what ``state.pt`` holds: key -> (accepted types, what it is)
 STATE_KEYS = {"optimizer": (dict, "the optimizer's state"), "rng": (torch.Tensor, "the RNG state"),
               "step": (int, "the step"), "config": (dict, "the run's config")}
-
-
-def is_sharded(path: Path) -> bool:
-    """Whether checkpoint folder ``path`` was written by several processes (DCP's metadata)."""
-    return (Path(path) / ".metadata").is_file()
 
 
 def check_state(state, path: Path) -> None:
@@ -153,8 +84,6 @@ def check_state(state, path: Path) -> None:
 def check_weights(weights: dict, expected_model: ModelConfig, path: Path) -> None:
     """``CheckpointError`` unless ``weights`` have the names and shapes of ``expected_model``'s
     (counted on the meta device): a ``model.safetensors`` of another design or size."""
-    from ..model import Transformer
-
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Transformer(expected_model).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}
@@ -177,9 +106,6 @@ def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tu
     path = Path(path)
     state = load_train_state(path, expected_model)
     if is_sharded(path):  # the whole model's weights read from the shards, in this process
-        from .config import load_saved
-        from .sharded import read_weights
-
         config = expected_model or load_saved(state["config"]).model
         return read_weights(path, config), state
     try:

@@ -31,7 +31,9 @@ from .config import TrainConfig, from_dict, parse_value, to_dict
 from .data import batch_at, load_corpus
 from .lock import FolderLock
 from .run_dir import RUN_FILES
-from .trainer import EVAL_SEED, Signals, exit_status, train
+from .signals import Signals, exit_status
+from .trainer import EVAL_SEED, train
+from .validate import check_run
 
 #: what every design of a comparison shares: the model's fields but the residual kind and options
 SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
@@ -196,7 +198,7 @@ class Plan:
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
                     baseline: str | None) -> Plan:
     """Every setting of a comparison checked before any work (``compare``'s arguments)."""
-    base.validate()
+    check_run(base)
     designs, seeds = list(designs), list(seeds)
     for name, values in (("designs", designs), ("seeds", seeds)):
         if not values or len(set(values)) != len(values):
@@ -212,7 +214,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         options[label] = design_options(base.model, label, overrides)
         try:
             configs[label] = design_config(base.model, label, options=options[label])
-            dataclasses.replace(base, model=configs[label]).validate()
+            check_run(dataclasses.replace(base, model=configs[label]))
         except ValueError as err:
             raise ValueError(f"design {label!r}: {err}") from None
     return Plan(base, designs, seeds, baseline, options, configs)

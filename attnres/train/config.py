@@ -3,7 +3,8 @@
 A preset is a Python function returning a ``TrainConfig``; ``--set section.field=value``
 overrides one field, parsed by the field's type. Unknown keys are an error that lists the
 accepted ones. The fields are plain values: what each accepts and how they must agree is checked
-in one place, ``train/validate.py`` (``TrainConfig.validate``).
+in one place, ``train/validate.py`` (``check_run``), which also reads a saved config back
+(``load_saved``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 
 from ..model import ModelConfig
 from ..names import ABLATIONS, PRESET_NAMES  # noqa: F401  (ABLATIONS: read here by its users)
-from .validate import FIELDS, check_run  # noqa: F401  (FIELDS: what each field accepts, read here by its users)
 
 
 @dataclass
@@ -101,12 +101,6 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
-
-    def validate(self, processes: int | None = None) -> None:
-        """Raise ``ValueError`` naming the field, its value and what it accepts: every check of
-        ``train/validate.py`` (``check_run``), the placement on ``processes`` processes too when
-        given."""
-        check_run(self, processes)
 
 
 # -- presets ---------------------------------------------------------------------------------
@@ -306,21 +300,3 @@ def from_dict(d: dict) -> TrainConfig:
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a valid attnres training config: {exc}") from None
-
-
-def load_saved(d) -> TrainConfig:
-    """A config read from a run's ``config.json``: every section an object, every field of its
-    type (``check_types``), rebuilt (``from_dict``) and checked (``validate``); ``ValueError``
-    naming what is wrong."""
-    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("model", "data", "optim", "run")):
-        raise ValueError("not a valid attnres training config: expected an object with the sections "
-                         "model, data, optim and run")
-    try:
-        for name, cls in {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}.items():
-            check_types(cls, d[name], name)
-        config = from_dict(d)
-        config.validate()
-    except ValueError as exc:
-        text = str(exc)
-        raise ValueError(text if text.startswith("not a valid") else f"not a valid attnres training config: {text}") from None
-    return config

@@ -106,16 +106,17 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
-    """DDP or FSDP2 around ``model`` when distributed; the model itself otherwise."""
-    if not info.distributed:
+def wrap(model: nn.Module, wrapping: str) -> nn.Module:
+    """``model`` as a plan's ``wrapping`` says (``parallel_plan.ParallelPlan.wrapping``): in DDP
+    or FSDP2 over every process; the model itself for ``none`` (one process)."""
+    if wrapping == "none":
         return model
-    if mode == "ddp":
+    if wrapping == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    if mode == "fsdp":
+        device = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if wrapping == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         # the sublayers are the modules whose forward runs (a Layer only groups them), so they
@@ -125,7 +126,7 @@ def wrap(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
             fully_shard(layer.mlp)
         fully_shard(model)
         return model
-    raise ValueError(f"run.parallel={mode!r} is not one of ('ddp', 'fsdp')")
+    raise ValueError(f"wrapping {wrapping!r} is not one of ('none', 'ddp', 'fsdp'); a pipeline wraps its stages itself")
 
 
 def no_sync(wrapped: nn.Module, enabled: bool):

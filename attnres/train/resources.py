@@ -40,16 +40,12 @@ def lower_bound(m) -> int:
     return m.vocab_size * m.dim + m.n_layers * per_layer
 
 
-def estimate_bytes(cfg, processes: int = 1, sizes=None) -> tuple[int, int]:
+def estimate_bytes(cfg, plan, sizes=None) -> tuple[int, int]:
     """``(bytes per process, parameters)``: the weights, gradients and optimizer state of one
-    process of a job of ``processes``, and the buffers; ``sizes``: ``model_sizes``'s answer."""
+    process of a job laid out as ``plan`` (``parallel_plan.ParallelPlan``: its parameters split
+    into ``plan.model_shards`` parts), and the buffers; ``sizes``: ``model_sizes``'s answer."""
     params, buffers = sizes or model_sizes(cfg.model)
-    shards = 1
-    if cfg.run.parallel == "fsdp" and processes > 1:  # beside a pipeline too: pp_size x its copies
-        shards = processes
-    elif cfg.run.pp_size > 1:
-        shards = cfg.run.pp_size
-    return params * BYTES_PER_PARAMETER // shards + buffers, params
+    return params * BYTES_PER_PARAMETER // plan.model_shards + buffers, params
 
 
 def available_bytes(device: torch.device) -> tuple[int | None, str]:
@@ -72,7 +68,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def check_memory(cfg, device: torch.device, processes: int = 1, available: int | None = None) -> None:
+def check_memory(cfg, device: torch.device, plan, available: int | None = None) -> None:
     """Refuse a model whose estimated memory per process (``estimate_bytes``) exceeds what is
     available to it, naming the estimate; ``available`` replaces the measured memory."""
     where = "given"
@@ -84,12 +80,22 @@ def check_memory(cfg, device: torch.device, processes: int = 1, available: int |
             available //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             where += f", shared by {os.environ.get('LOCAL_WORLD_SIZE', '1')} process(es)"
     sizes = (lower_bound(cfg.model), 0)
-    need, params = estimate_bytes(cfg, processes, sizes)
+    need, params = estimate_bytes(cfg, plan, sizes)
     if need <= available:  # not refused by the bound: count on the meta device
-        need, params = estimate_bytes(cfg, processes)
+        need, params = estimate_bytes(cfg, plan)
     if need > available:
         raise ValueError(
             f"the model ({params:,} parameters, dim={cfg.model.dim}, n_layers={cfg.model.n_layers}) needs about "
             f"{_gib(need)} per process for its weights, gradients, AdamW state and buffers; {_gib(available)} "
             f"is available ({where}): choose smaller sizes"
         )
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

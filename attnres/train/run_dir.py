@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import lock
@@ -86,7 +87,7 @@ def load_run_config(run_dir: Path):
     """The ``TrainConfig`` a run saved in ``run_dir/config.json``, read only inside the folder
     (``check_inside``); ``ValueError`` naming the file and what is wrong with it."""
     from ..files import read_json
-    from .config import load_saved
+    from .validate import load_saved
 
     run_dir = Path(run_dir)
     path = run_dir / "config.json"
@@ -167,3 +168,23 @@ class Metrics:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+@contextmanager
+def no_trace_if_refused(run_dir: Path, main: bool):
+    """On the main rank, a refusal or failure before the run's first step removes what this
+    job made in ``run_dir`` (the folder itself when it made it): a corrected command then finds
+    the folder as it was."""
+    existed = run_dir.is_dir()
+    before = set(os.listdir(run_dir)) if existed else set()
+    try:
+        yield
+    except BaseException as exc:
+        if main and not isinstance(exc, lock.FolderInUse) and run_dir.is_dir():
+            if not existed:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                for name in set(os.listdir(run_dir)) - before:
+                    path = run_dir / name
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import ModelConfig, Transformer, param_groups
-from .checkpoint import CheckpointError, _prune, _write_file, latest_checkpoint, publish
+from .checkpoint_folder import CheckpointError, latest_checkpoint, prune, publish, write_synced
 
 
 def _flat_options():
@@ -146,13 +146,13 @@ def save_sharded(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.
     try:
         dcp.save(local_state(model, optimizer), checkpoint_id=str(tmp))
         if main:
-            _write_file(tmp / "state.pt", lambda p: torch.save(train_state, p))
+            write_synced(tmp / "state.pt", lambda p: torch.save(train_state, p))
             publish(tmp, final)
     except (OSError, CheckpointException) as exc:  # DCP's carries each rank's error (a BaseException)
         problem = exc
     _agree_on(problem, final, ckpt_root, tmp)
     if main:
-        _prune(ckpt_root, keep=final)
+        prune(ckpt_root, keep=final)
     return final
 
 

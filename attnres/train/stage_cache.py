@@ -16,23 +16,13 @@ the sum goes back to the stage before once, as any input gradient does.
 Summed this way, a cached source's gradient adds the rank's later stages' part to the rest in
 another order than one process does; fp32 addition is not associative, so the result agrees
 with ``pp_cache=off`` to round-off, not bit for bit (measured in ``tests/test_pipeline.py``).
+
+Whether a pipeline caches is its ``ParallelPlan``'s ``cache`` (``run.pp_cache``).
 """
 
 from __future__ import annotations
 
 import torch
-
-from .validate import CACHED_RESIDUALS, check_cache
-
-
-def use_cache(setting: str, residual: str, stages_per_rank: int) -> bool:
-    """Whether a pipeline caches sources: ``on``, ``off``, or ``auto`` (the designs that
-    store completed sources, ``CACHED_RESIDUALS``, with more than one stage per rank). A setting it cannot serve is
-    refused (``validate.check_cache``)."""
-    check_cache(setting, residual, stages_per_rank)
-    if setting == "auto":
-        return residual in CACHED_RESIDUALS and stages_per_rank > 1
-    return setting == "on"
 
 
 def sources_held(owner: list[int], completed_after: list[int]) -> list[int]:

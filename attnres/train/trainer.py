@@ -22,12 +22,8 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import signal
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -38,30 +34,25 @@ from torch import nn
 from ..model import Transformer, lm_loss, param_groups
 from . import distributed as dist
 from . import lock
-from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
-                         save_checkpoint)
+from .checkpoint import latest_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
 from .materialize import rank_model
-from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups, rank_part
-from .resources import check_memory
-from .stage_local import Part, parameter_count, rank_footprint
-from .run_dir import Metrics, check_run_dir, remove_run, write_json
-from .sharded import load_full, load_sharded, save_sharded
+from .parallel_plan import ParallelPlan, run_plan
+from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups
+from .resources import check_memory, peak_memory_mib
+from .stage_local import parameter_count, rank_footprint
+from .resume import restore, resume_point, save
+from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
+from .signals import Signals, agreed_signal, exit_status
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
+from .validate import check_run
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-def exit_status(signum: int | None) -> int:
-    """A command's exit status once a signal stopped its work (after the checkpoint is safe):
-    128 + the signal's number, as a shell reports a process that signal ended (130 for SIGINT,
-    143 for SIGTERM); 0 when no signal came."""
-    return 0 if signum is None else 128 + int(signum)
 
 
 @dataclass
@@ -81,37 +72,29 @@ class TrainResult:
         return exit_status(self.signal)
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 # -- 2. start --------------------------------------------------------------------------------
 
 @dataclass
 class Placement:
-    """Where this process runs: its rank and device (``info``) and its part of every batch,
-    data-parallel rank ``dp_rank`` of ``dp_size`` (the ranks of one pipeline share their copy's
-    part); in a pipeline, its groups on the ``(dp, pp)`` mesh (``pipeline.Groups``)."""
+    """Where this process runs: the job's ``plan`` (``parallel_plan.ParallelPlan``), this
+    process's rank and device (``info``) and its part of every batch, data-parallel rank
+    ``dp_rank`` of ``dp_size`` (the ranks of one pipeline share their copy's part); in a
+    pipeline, its groups on the plan's ``(dp, pp)`` mesh (``pipeline.Groups``)."""
 
+    plan: ParallelPlan
     info: dist.DistInfo
     dp_rank: int
     dp_size: int
     groups: Groups | None = None
 
 
-def start_processes(cfg: TrainConfig) -> Placement:
-    """The process group (under torchrun) and, for a pipeline, its ``(dp, pp)`` device mesh."""
+def start_processes(cfg: TrainConfig, plan: ParallelPlan) -> Placement:
+    """The process group (under torchrun) and, for a pipeline, the plan's device mesh."""
     info = dist.setup(cfg.run.device)
-    if cfg.run.pp_size == 1:
-        return Placement(info, info.rank, info.world_size)
-    groups = pipeline_groups(cfg.run.pp_size)
-    return Placement(info, groups.replica_index, groups.replica_count, groups)
+    if not plan.pipelined:
+        return Placement(plan, info, info.rank, info.world_size)
+    groups = pipeline_groups(plan, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    return Placement(plan, info, groups.replica_index, groups.replica_count, groups)
 
 
 def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> tuple[TrainConfig, Corpus]:
@@ -133,24 +116,19 @@ def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Mod
     DDP/FSDP2 when data parallel (the model itself in a pipeline); ``forward``, what a
     micro-batch's loss runs through (``wrapped``, compiled with ``run.compile``); ``pipe``, this
     rank's stages of the pipeline, or None."""
-    r, device = cfg.run, place.info.device
+    r, device, plan = cfg.run, place.info.device, place.plan
     # FSDP2 moves each module it shards to the device and keeps the shard: the part waits on the host
-    if r.pp_size > 1:
-        g = place.groups
-        part = rank_part(cfg.model, r.pp_schedule, torch.distributed.get_rank(g.pipeline), r.pp_size,
-                         r.pp_stages_per_rank, r.pp_split)
-        shard = r.parallel == "fsdp" and g.replicas is not None
-        model = rank_model(cfg.model, r.seed, part, "cpu" if shard else device)
-        pipe = build_pipeline(model, r.pp_schedule, r.pp_microbatches, per_rank=r.pp_stages_per_rank,
-                              split=r.pp_split, group=g.pipeline, replicas=g.replicas, device=device,
-                              cache=r.pp_cache, dp_mesh=g.dp_mesh if shard else None)
+    if plan.pipelined:
+        part = plan.part(plan.pipeline_rank(place.info.rank))
+        model = rank_model(cfg.model, r.seed, part, "cpu" if plan.shards_stages else device)
+        pipe = build_pipeline(model, plan, place.groups, device)
         return model, model, model, pipe
     if place.info.distributed:
-        model = rank_model(cfg.model, r.seed, Part.whole(cfg.model), "cpu" if r.parallel == "fsdp" else device)
+        model = rank_model(cfg.model, r.seed, plan.part(0), "cpu" if plan.wrapping == "fsdp" else device)
     else:
         torch.manual_seed(r.seed)
         model = Transformer(cfg.model).to(device)
-    wrapped = dist.wrap(model, r.parallel, place.info)
+    wrapped = dist.wrap(model, plan.wrapping)
     return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
 
 
@@ -213,6 +191,10 @@ class Run:
             return self.experts.loss(self.forward, xs, ys)
         return lm_loss(self.forward(xs), ys)
 
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (``resume.save``)."""
+        save(self.ckpt_root, step, self.model, self.optimizer, self.cfg, self.grad_norms, self.info.distributed)
+
     def micro_batch(self, k: int):
         """Micro-batch ``k``'s context: DDP's gradient synchronization held back but for the
         last, autocast."""
@@ -228,116 +210,6 @@ def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement) -> 
     experts = ExpertSteps(model, cfg.run.grad_accum, device) if cfg.model.moe_experts else None
     return Run(cfg, run_dir, place, corpus, model, wrapped, forward, pipe, optimizer,
                autocast_for(device, cfg.run.autocast), experts)
-
-
-# -- 3. restore, and its counterpart save ----------------------------------------------------
-
-@dataclass
-class ResumePoint:
-    """The checkpoint a resumed run continues from, read and checked before any work: its
-    folder, its weights (a one-process checkpoint; a sharded one is read rank by rank when it is
-    restored: None) and state (``state.pt``)."""
-
-    path: Path
-    weights: dict | None
-    state: dict
-
-
-def _same_data(saved: dict, given: dict) -> list[str]:
-    """The ``data.*`` fields where the run's saved settings and the given ones differ (paths
-    compared as the files they name)."""
-    def norm(key, value):
-        if key == "source" and isinstance(value, str) and value != "stdlib" and not value.startswith("hf:"):
-            return str(Path(value).expanduser().resolve())
-        return value
-
-    return [f"data.{k}: the run's {saved.get(k)!r}, given {v!r}" for k, v in given.items()
-            if norm(k, saved.get(k)) != norm(k, v)]
-
-
-#: what a resumed run keeps from the saved one: the global batch it draws each step
-KEPT_ON_RESUME = ("batch_size", "seq_len", "seed")
-
-
-def _same_run(saved: dict, cfg: TrainConfig) -> list[str]:
-    """The ``run.*`` fields of ``KEPT_ON_RESUME`` where the saved settings and ``cfg`` differ."""
-    return [f"run.{k}: the run's {saved[k]!r}, given {getattr(cfg.run, k)!r}" for k in KEPT_ON_RESUME
-            if k in saved and saved[k] != getattr(cfg.run, k)]
-
-
-def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
-    """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
-    data: a resumed run continues on the batches it was drawing) and refused when it already
-    reached ``run.steps``; reads only."""
-    ckpt_root = run_dir / "checkpoints"
-    path = latest_checkpoint(ckpt_root)
-    if path is None:
-        raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
-    if is_sharded(path):
-        weights, state = None, load_train_state(path, cfg.model)
-    else:
-        weights, state = load_checkpoint(path, cfg.model)
-    saved_run = state["config"].get("run")
-    changed = _same_run(saved_run if isinstance(saved_run, dict) else {}, cfg)
-    if changed:
-        raise ValueError(f"--resume continues the run in {run_dir} on its own batches, and {'; '.join(changed)}: "
-                         f"a resumed run may change its layout (run.parallel, run.pp_*, run.grad_accum, the number "
-                         f"of processes), not its batch")
-    saved_data = state["config"].get("data")
-    differ = _same_data(saved_data if isinstance(saved_data, dict) else {}, to_dict(cfg)["data"])
-    if differ:
-        raise ValueError(f"--resume continues the run in {run_dir} on its own data, and {'; '.join(differ)}: "
-                         f"drop the data settings, or start a new run (--run-dir, or --overwrite) on the new data")
-    step = state["step"]
-    if step >= cfg.run.steps:
-        raise ValueError(
-            f"the run in {run_dir} already finished its {step} steps; resume with "
-            f"--set run.steps=N (N > {step}) to train further"
-        )
-    return ResumePoint(path, weights, state)
-
-
-def restore(run: Run, point: ResumePoint) -> None:
-    """Continue from ``point`` (``resume_point``) exactly where it stopped: the weights, the
-    optimizer, the RNG, the step and the gradient-norm statistics. A checkpoint of any layout
-    loads into any other: a sharded one through DCP (``sharded.load_sharded``), a one-process one
-    into one process as it was saved, or into each rank's part (``sharded.load_full``)."""
-    state = point.state
-    try:
-        if point.weights is None:
-            load_sharded(point.path, run.model, run.optimizer)
-        elif not run.info.distributed:
-            run.model.load_state_dict(point.weights)
-            run.optimizer.load_state_dict(state["optimizer"])
-        else:
-            load_full(run.model, run.optimizer, point.weights, state["optimizer"], run.cfg.model,
-                      run.cfg.optim.weight_decay)
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state does not fit the model "
-                              f"({str(exc).splitlines()[0][:200]})") from None
-    for group in run.optimizer.param_groups:
-        for p in group["params"]:
-            moments = run.optimizer.state.get(p, {})
-            if any(isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape for v in moments.values()):
-                raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state holds moments of another "
-                                      f"shape than the model's parameters")
-    torch.set_rng_state(state["rng"])
-    run.start_step = state["step"]
-    run.grad_norms = LayerGradNorms.from_state(state)
-
-
-def save(run: Run, step: int) -> None:
-    """Checkpoint ``step``: the weights and optimizer state, the RNG, the config and the
-    gradient-norm statistics; one process writes them whole, several write their own shards
-    (``sharded.save_sharded``), nothing gathered."""
-    train_state = dict(rng=torch.get_rng_state(), step=step, config=to_dict(run.cfg), **run.grad_norms.state())
-    if run.info.distributed:
-        save_sharded(run.ckpt_root, step, run.model, run.optimizer, train_state)
-    else:
-        save_checkpoint(run.ckpt_root, step, run.model.state_dict(),
-                        dict(optimizer=run.optimizer.state_dict(), **train_state))
 
 
 # -- 4. the steps ----------------------------------------------------------------------------
@@ -422,48 +294,6 @@ def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_
     return float(dist.mean_across_ranks(torch.stack(losses).mean()))
 
 
-class Signals:
-    """SIGINT/SIGTERM set ``received`` (the signal's number) instead of ending the process; the
-    work checks it where it can stop cleanly (``run_steps`` after a step, with a checkpoint).
-    Nested uses share the outermost one: a comparison holds it over all its runs, so a signal
-    between two runs stops the comparison, and one during a run stops that run and then the
-    comparison. Handlers are installed only on the main thread."""
-
-    _active: "Signals | None" = None
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {}
-
-    def __enter__(self) -> "Signals":
-        if Signals._active is not None:
-            return Signals._active
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-            Signals._active = self
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        if Signals._active is self:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
-            Signals._active = None
-
-
-def agreed_signal(received: int | None, info: dist.DistInfo) -> int | None:
-    """The signal that stops every rank: under torchrun the highest number any rank received
-    (SIGTERM over SIGINT), so that all ranks stop at the same step and end alike."""
-    if not info.distributed:
-        return received
-    t = torch.tensor([received or 0], device=info.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item()) or None
-
-
 @dataclass
 class Progress:
     """How far the steps got: the last step done, the seconds spent in steps, the last training
@@ -530,12 +360,12 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
                     bar.write(f"step {done}: val loss {progress.val_loss:.4f}")
             progress.signal = agreed_signal(signals.received, run.info)
             if progress.signal is not None:
-                save(run, done)
+                run.save(done)
                 break
             if r.ckpt_every and done % r.ckpt_every == 0 and done < r.steps:
-                save(run, done)
+                run.save(done)
         else:
-            save(run, r.steps)
+            run.save(r.steps)
     return progress
 
 
@@ -574,6 +404,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         interrupted=progress.interrupted,
         data=run.corpus.description,
         world_size=run.info.world_size,
+        parallel=run.place.plan.describe(),
         ranks=rank_entries(run, progress),
     )
 
@@ -591,7 +422,7 @@ def rank_entries(run: Run, progress: Progress) -> list[dict]:
     return entries
 
 
-def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, processes: int,
+def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: ParallelPlan,
              problem: Exception | None) -> tuple[TrainConfig, Corpus, Placement]:
     """The checks that need the data, then the processes: the data (``load_data``) and the
     memory the model needs (``check_memory``), unless ``problem`` (the lock refused) already
@@ -600,32 +431,12 @@ def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, processes: 
     if problem is None:
         try:
             cfg, corpus = load_data(cfg, run_dir, corpus)
-            check_memory(cfg, dist.pick_device(cfg.run.device), processes)
+            check_memory(cfg, dist.pick_device(cfg.run.device), plan)
         except ValueError as exc:
             problem = exc
-    place = start_processes(cfg)
+    place = start_processes(cfg, plan)
     dist.agree(problem, place.info)
     return cfg, corpus, place
-
-
-@contextmanager
-def _no_trace_if_refused(run_dir: Path, main: bool):
-    """On the main rank, a refusal or failure before the run's first step removes what this
-    job made in ``run_dir`` (the folder itself when it made it): a corrected command then finds
-    the folder as it was."""
-    existed = run_dir.is_dir()
-    before = set(os.listdir(run_dir)) if existed else set()
-    try:
-        yield
-    except BaseException as exc:
-        if main and not isinstance(exc, lock.FolderInUse) and run_dir.is_dir():
-            if not existed:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            else:
-                for name in set(os.listdir(run_dir)) - before:
-                    path = run_dir / name
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        raise
 
 
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
@@ -640,13 +451,14 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     """
     run_dir = Path(run_dir)
     processes, main = dist.launched_world_size(), dist.launched_rank() == 0
-    cfg.validate(processes)  # before any process waits on another
+    check_run(cfg, processes)  # before any process waits on another
+    plan = run_plan(cfg, processes)
     dist.pick_device(cfg.run.device)
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir) if resume else None
     locked = False
     try:
-        with _no_trace_if_refused(run_dir, main):
+        with no_trace_if_refused(run_dir, main):
             problem = None
             if main:  # one lock per job, held by rank 0
                 try:
@@ -654,10 +466,11 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     locked = True
                 except lock.FolderInUse as exc:
                     problem = exc
-            cfg, corpus, place = _prepare(cfg, run_dir, corpus, processes, problem)
+            cfg, corpus, place = _prepare(cfg, run_dir, corpus, plan, problem)
             run = start(cfg, run_dir, corpus, place)
             if point is not None:
-                restore(run, point)
+                run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,
+                                                         run.info.distributed)
                 point = None  # the checkpoint's tensors now live in the model and the optimizer
             if main:
                 remove_run(run_dir, old_run)

@@ -9,39 +9,27 @@ another. In order:
 2. the fields that must agree: the batch and the gradient accumulation, the sequence length and
    the model's context, the device;
 3. the pipeline's options (``run.pp_*``): only with ``run.pp_size > 1``, then agreeing with the
-   schedule, the sublayers, the batch and the model (``check_pipeline``, ``check_cache``);
+   schedule, the sublayers, the batch and the model, checked where the run's parallel plan is
+   built (``parallel_plan.plan_parallel``);
 4. the residual options, checked by the stream itself on the meta device;
-5. with ``processes`` given, the placement: a pipeline dividing the job, the batch dividing over
-   the data-parallel ranks and the gradient accumulation.
+5. with ``processes`` given, the placement: the parallel plan on that many processes (a
+   pipeline dividing the job, each copy's part of the batch), or without a pipeline the batch
+   dividing over the data-parallel ranks and the gradient accumulation.
 
-The pipeline's schedules are named here as plain data (``SCHEDULES``, ``MULTI_STAGE``,
-``V_SHAPED``; ``tests/test_validate.py`` checks them against ``train/pipeline.py``'s), so this
-module imports neither ``torch.distributed`` machinery nor the pipeline's modules: those import
-their checks from here.
+``load_saved`` reads a run's saved ``config.json`` back and checks it the same way.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..model import ModelConfig
 from ..streams import build_stream
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
-
-#: the pipeline schedules (``torch.distributed.pipelining``'s, named in ``train/pipeline.py``)
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
-#: schedules that run several stages on every rank, and those of them that place two in a V
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
-#: schedules whose steady state runs one micro-batch per stage: at least as many as stages
-NEEDS_A_MICROBATCH_PER_STAGE = ("1f1b", "dualpipev")
-#: the designs whose sources, once completed, never change: what the cross-stage cache can hold
-CACHED_RESIDUALS = ("full", "block", "delta", "denseformer")
+from .config import DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
+from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, run_plan
 
 
 # -- 1. each field ---------------------------------------------------------------------------
@@ -125,12 +113,12 @@ FIELDS: dict[str, Range | Choice] = {
     "run.log_every": _count(),
     "run.ckpt_every": _count(0),
     "run.autocast": Choice(("auto", "none")),
-    "run.parallel": Choice(("ddp", "fsdp")),
+    "run.parallel": Choice(PARALLEL_MODES),
     "run.pp_size": _count(),
     "run.pp_schedule": Choice(SCHEDULES),
     "run.pp_microbatches": _count(none=True),
     "run.pp_stages_per_rank": _count(none=True),
-    "run.pp_cache": Choice(("auto", "on", "off")),
+    "run.pp_cache": Choice(CACHE_SETTINGS),
 }
 
 
@@ -162,65 +150,6 @@ def check_agreement(cfg: TrainConfig) -> None:
 
 # -- 3. the pipeline -------------------------------------------------------------------------
 
-def stages_per_rank(schedule: str, given: int | None = None) -> int:
-    """Stages on each rank under ``schedule``: ``given``, or 1 for ``gpipe``/``1f1b`` and 2 for
-    the others; refused where the schedule cannot run it."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
-    v = given if given is not None else (2 if schedule in MULTI_STAGE else 1)
-    if schedule in V_SHAPED and v != 2:
-        raise ValueError(f"schedule {schedule!r} runs exactly 2 stages per rank, given {v}")
-    if schedule in MULTI_STAGE and (type(v) is not int or v < 2):
-        raise ValueError(f"schedule {schedule!r} runs 2 or more stages per rank, given {v!r}")
-    if schedule not in MULTI_STAGE and v != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank, given {v!r}; the looped schedules "
-                         f"(interleaved1f1b, loopedbfs) run several")
-    return v
-
-
-def stage_sizes(num_sublayers: int, stages: int, split=None) -> list[int]:
-    """The sublayers in each of ``stages`` stages: ``split``, checked to cover the sublayers, or
-    as even as they go, the earlier stages taking one more where they do not divide."""
-    if type(stages) is not int or not 1 <= stages <= num_sublayers:
-        raise ValueError(f"{stages!r} stages for {num_sublayers} sublayers: a stage needs at least one sublayer")
-    if split is None:
-        base, extra = divmod(num_sublayers, stages)
-        split = [base + (k < extra) for k in range(stages)]
-    split = list(split)
-    if len(split) != stages or any(type(n) is not int or n < 1 for n in split) or sum(split) != num_sublayers:
-        raise ValueError(f"split={split} must be {stages} positive sublayer counts summing to {num_sublayers}")
-    return split
-
-
-def check_pipeline(schedule: str, ranks: int, num_sublayers: int, batch: int | None, microbatches: int | None = None,
-                   per_rank: int | None = None, split=None) -> tuple[int, int]:
-    """``(stages, microbatches)`` of a pipeline over ``ranks`` ranks, every option checked
-    (before any process waits on another): ``microbatches`` (default: the number of stages)
-    dividing ``batch`` (when given), at least the number of stages where the schedule needs it,
-    and the split covering the sublayers."""
-    stages = ranks * stages_per_rank(schedule, per_rank)
-    stage_sizes(num_sublayers, stages, split)
-    mb = stages if microbatches is None else microbatches
-    if type(mb) is not int or mb < 1 or (batch is not None and batch % mb):
-        raise ValueError(f"{mb!r} micro-batches must be a positive integer dividing the batch of {batch}")
-    if schedule in NEEDS_A_MICROBATCH_PER_STAGE and mb < stages:
-        raise ValueError(f"schedule {schedule!r} needs at least as many micro-batches as stages ({stages}), given {mb}")
-    return stages, mb
-
-
-def check_cache(setting: str, residual: str, per_rank: int) -> None:
-    """``run.pp_cache``: ``auto``, ``on`` or ``off``; ``on`` only for a design with completed
-    sources (``CACHED_RESIDUALS``) and a placement of several stages per rank (``per_rank``)."""
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"run.pp_cache={setting!r} must be one of ('auto', 'on', 'off')")
-    if setting == "on" and residual not in CACHED_RESIDUALS:
-        raise ValueError(f"run.pp_cache='on' keeps the completed sources of the designs that store them {CACHED_RESIDUALS}; "
-                         f"model.residual={residual!r} sends one state that changes at every sublayer")
-    if setting == "on" and per_rank < 2:
-        raise ValueError(f"run.pp_cache='on' keeps what a rank saw at its earlier stages; with {per_rank} "
-                         f"stage per rank there are none (the looped and V schedules run several)")
-
-
 def _pipeline_options_unset(cfg: TrainConfig) -> None:
     """Without a pipeline, no ``run.pp_*`` option but ``pp_size`` and ``pp_schedule`` is set."""
     r = cfg.run
@@ -231,18 +160,6 @@ def _pipeline_options_unset(cfg: TrainConfig) -> None:
     if given:
         raise ValueError(f"{', '.join(given)}: run.pp_split, run.pp_microbatches, run.pp_stages_per_rank and "
                          f"run.pp_cache apply to a pipelined run: set run.pp_size > 1")
-
-
-def _pipeline_layout(cfg: TrainConfig, batch: int, note: str = "") -> None:
-    """The schedule's stages, split and micro-batches for a pipeline fed ``batch`` rows, and the
-    cache, each refusal prefixed with the pipeline's size and schedule (and ``note``)."""
-    r, m = cfg.run, cfg.model
-    try:
-        check_pipeline(r.pp_schedule, r.pp_size, m.num_sublayers, batch, r.pp_microbatches, r.pp_stages_per_rank,
-                       r.pp_split)
-        check_cache(r.pp_cache, m.residual, stages_per_rank(r.pp_schedule, r.pp_stages_per_rank))
-    except ValueError as err:
-        raise ValueError(f"run.pp_size={r.pp_size}, run.pp_schedule={r.pp_schedule!r}: {err}{note}") from None
 
 
 def check_pipeline_settings(cfg: TrainConfig) -> None:
@@ -256,7 +173,7 @@ def check_pipeline_settings(cfg: TrainConfig) -> None:
         if clash:
             raise ValueError(f"run.pp_size={r.pp_size}: a pipelined run takes its micro-batches from "
                              f"run.pp_microbatches and runs eagerly; {name} is not supported with it")
-    _pipeline_layout(cfg, r.batch_size)
+    run_plan(cfg)
 
 
 # -- 4. the residual options -----------------------------------------------------------------
@@ -271,25 +188,14 @@ def check_residual(cfg: TrainConfig) -> None:
 # -- 5. the placement over the job's processes -----------------------------------------------
 
 def check_processes(cfg: TrainConfig, processes: int) -> None:
-    """The run on ``processes`` processes (torchrun's world size, 1 without it): a pipeline's
-    ranks dividing them, each copy of the pipeline taking an equal part of the batch that its
-    micro-batches divide; without one, the batch dividing over the ranks
-    and the micro-steps."""
+    """The run on ``processes`` processes (torchrun's world size, 1 without it): its parallel
+    plan (``parallel_plan.run_plan``); without a pipeline, the batch dividing over the ranks and
+    the micro-steps."""
     r = cfg.run
-    if r.pp_size == 1:
-        if r.batch_size % (processes * r.grad_accum):
-            raise ValueError(f"run.batch_size={r.batch_size} must be divisible by world size {processes} x "
-                             f"run.grad_accum={r.grad_accum}")
-        return
-    if processes % r.pp_size:
-        raise ValueError(f"run.pp_size={r.pp_size} must divide the job's {processes} processes (torchrun "
-                         f"--nproc_per_node=N, N a multiple of {r.pp_size}: the pipelines run side by side)")
-    copies = processes // r.pp_size
-    if r.batch_size % copies:
-        raise ValueError(f"run.batch_size={r.batch_size} must be divisible by the {copies} copies of the pipeline")
-    if copies > 1:  # each copy splits its part of the batch into the micro-batches
-        _pipeline_layout(cfg, r.batch_size // copies, f" (each of the {copies} copies of the pipeline takes "
-                                                      f"{r.batch_size // copies} of run.batch_size={r.batch_size})")
+    if r.pp_size == 1 and r.batch_size % (processes * r.grad_accum):
+        raise ValueError(f"run.batch_size={r.batch_size} must be divisible by world size {processes} x "
+                         f"run.grad_accum={r.grad_accum}")
+    run_plan(cfg, processes)
 
 
 def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
@@ -303,3 +209,21 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
         if type(processes) is not int or processes < 1:
             raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
         check_processes(cfg, processes)
+
+
+def load_saved(d) -> TrainConfig:
+    """A config read from a run's ``config.json``: every section an object, every field of its
+    type (``config.check_types``), rebuilt (``config.from_dict``) and checked (``check_run``);
+    ``ValueError`` naming what is wrong."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("model", "data", "optim", "run")):
+        raise ValueError("not a valid attnres training config: expected an object with the sections "
+                         "model, data, optim and run")
+    try:
+        for name, cls in {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}.items():
+            check_types(cls, d[name], name)
+        config = from_dict(d)
+        check_run(config)
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if text.startswith("not a valid") else f"not a valid attnres training config: {text}") from None
+    return config

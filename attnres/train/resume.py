@@ -1,0 +1,126 @@
+"""Resuming a run: the checkpoint it continues from, read and checked before any work
+(``resume_point``), its state restored into the new run's model and optimizer (``restore``),
+and its counterpart, the checkpoint a run writes (``save``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
+                         save_checkpoint)
+from .config import TrainConfig, to_dict
+from .sharded import load_full, load_sharded, save_sharded
+from .steps import LayerGradNorms
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a resumed run continues from, read and checked before any work: its
+    folder, its weights (a one-process checkpoint; a sharded one is read rank by rank when it is
+    restored: None) and state (``state.pt``)."""
+
+    path: Path
+    weights: dict | None
+    state: dict
+
+
+def _same_data(saved: dict, given: dict) -> list[str]:
+    """The ``data.*`` fields where the run's saved settings and the given ones differ (paths
+    compared as the files they name)."""
+    def norm(key, value):
+        if key == "source" and isinstance(value, str) and value != "stdlib" and not value.startswith("hf:"):
+            return str(Path(value).expanduser().resolve())
+        return value
+
+    return [f"data.{k}: the run's {saved.get(k)!r}, given {v!r}" for k, v in given.items()
+            if norm(k, saved.get(k)) != norm(k, v)]
+
+
+#: what a resumed run keeps from the saved one: the global batch it draws each step
+KEPT_ON_RESUME = ("batch_size", "seq_len", "seed")
+
+
+def _same_run(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The ``run.*`` fields of ``KEPT_ON_RESUME`` where the saved settings and ``cfg`` differ."""
+    return [f"run.{k}: the run's {saved[k]!r}, given {getattr(cfg.run, k)!r}" for k in KEPT_ON_RESUME
+            if k in saved and saved[k] != getattr(cfg.run, k)]
+
+
+def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
+    """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
+    data: a resumed run continues on the batches it was drawing) and refused when it already
+    reached ``run.steps``; reads only."""
+    ckpt_root = run_dir / "checkpoints"
+    path = latest_checkpoint(ckpt_root)
+    if path is None:
+        raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
+    if is_sharded(path):
+        weights, state = None, load_train_state(path, cfg.model)
+    else:
+        weights, state = load_checkpoint(path, cfg.model)
+    saved_run = state["config"].get("run")
+    changed = _same_run(saved_run if isinstance(saved_run, dict) else {}, cfg)
+    if changed:
+        raise ValueError(f"--resume continues the run in {run_dir} on its own batches, and {'; '.join(changed)}: "
+                         f"a resumed run may change its layout (run.parallel, run.pp_*, run.grad_accum, the number "
+                         f"of processes), not its batch")
+    saved_data = state["config"].get("data")
+    differ = _same_data(saved_data if isinstance(saved_data, dict) else {}, to_dict(cfg)["data"])
+    if differ:
+        raise ValueError(f"--resume continues the run in {run_dir} on its own data, and {'; '.join(differ)}: "
+                         f"drop the data settings, or start a new run (--run-dir, or --overwrite) on the new data")
+    step = state["step"]
+    if step >= cfg.run.steps:
+        raise ValueError(
+            f"the run in {run_dir} already finished its {step} steps; resume with "
+            f"--set run.steps=N (N > {step}) to train further"
+        )
+    return ResumePoint(path, weights, state)
+
+
+def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+            distributed: bool) -> tuple[int, LayerGradNorms]:
+    """Continue from ``point`` (``resume_point``) exactly where it stopped: the weights into
+    ``model`` (this rank's part), the optimizer's state, the RNG; returns the step to continue
+    from and the gradient-norm statistics. A checkpoint of any layout loads into any other: a
+    sharded one through DCP (``sharded.load_sharded``), a one-process one into one process as it
+    was saved, or into each rank's part (``sharded.load_full``, ``distributed``)."""
+    state = point.state
+    try:
+        if point.weights is None:
+            load_sharded(point.path, model, optimizer)
+        elif not distributed:
+            model.load_state_dict(point.weights)
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_full(model, optimizer, point.weights, state["optimizer"], cfg.model, cfg.optim.weight_decay)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state does not fit the model "
+                              f"({str(exc).splitlines()[0][:200]})") from None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            moments = optimizer.state.get(p, {})
+            if any(isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape for v in moments.values()):
+                raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state holds moments of another "
+                                      f"shape than the model's parameters")
+    torch.set_rng_state(state["rng"])
+    return state["step"], LayerGradNorms.from_state(state)
+
+
+def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+         grad_norms: LayerGradNorms, distributed: bool) -> None:
+    """Checkpoint ``step`` into ``ckpt_root``: the weights and optimizer state, the RNG, the
+    config and the gradient-norm statistics; one process writes them whole, several
+    (``distributed``) write their own shards (``sharded.save_sharded``), nothing gathered."""
+    train_state = dict(rng=torch.get_rng_state(), step=step, config=to_dict(cfg), **grad_norms.state())
+    if distributed:
+        save_sharded(ckpt_root, step, model, optimizer, train_state)
+    else:
+        save_checkpoint(ckpt_root, step, model.state_dict(), dict(optimizer=optimizer.state_dict(), **train_state))
