@@ -57,14 +57,31 @@ def prune(ckpt_root: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+#: a complete checkpoint's folder name: a checkpoint is written under another name and renamed
+#: to this one only once all its files are synced (``publish``)
+STEP_NAME = r"step-[0-9]{7}"
+
+
+def newest_complete(ckpt_root: Path) -> Path | None:
+    """The complete checkpoint of ``ckpt_root`` with the highest step (a folder named
+    ``step-NNNNNNN``, not a link), or None."""
+    if not ckpt_root.is_dir():
+        return None
+    done = [p for p in ckpt_root.iterdir()
+            if re.fullmatch(STEP_NAME, p.name) and p.is_dir() and not p.is_symlink()]
+    return max(done, key=lambda p: p.name, default=None)
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint that ``latest`` names, or None when there is no ``latest``;
-    ``CheckpointError`` when it names no complete checkpoint of this folder (a pointer that is
-    garbage, leads elsewhere or names a missing folder)."""
+    """The checkpoint that ``latest`` names; without a ``latest`` (deleted by hand, or lost with
+    a copy of the folder) the newest complete checkpoint, since every ``step-NNNNNNN`` folder is
+    complete; None when there is none. ``CheckpointError`` when ``latest`` names no complete
+    checkpoint of this folder (a pointer that is garbage, leads elsewhere or names a missing
+    folder): what it meant is unknown, so no other checkpoint is taken in its place."""
     ckpt_root = Path(ckpt_root)
     pointer = ckpt_root / "latest"
     if not pointer.exists() and not pointer.is_symlink():
-        return None
+        return newest_complete(ckpt_root)
     if pointer.is_symlink() or not pointer.is_file():
         raise CheckpointError(f"{pointer} is not a plain file naming a checkpoint; remove it or write the name "
                               f"of a step-NNNNNNN folder into it")
@@ -72,7 +89,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
         name = pointer.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{pointer} cannot be read ({exc})") from None
-    if not re.fullmatch(r"step-[0-9]{7}", name):
+    if not re.fullmatch(STEP_NAME, name):
         raise CheckpointError(f"{pointer} names {name[:80]!r}, not a checkpoint folder step-NNNNNNN of {ckpt_root}")
     path = ckpt_root / name
     if path.is_symlink() or not path.is_dir():

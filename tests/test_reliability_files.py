@@ -1,0 +1,78 @@
+"""What a new user's folders and files meet: a run recognized by its config, not by a file name;
+data read as the user wrote it, or refused naming the file; exports and conversions a serving
+account can read and no partial folder left behind; a run whose ``latest`` is gone still read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import cli_in_process
+
+QUIET = ["--set", "run.progress=false", "--set", "run.tensorboard=false"]
+TINY = ["--preset", "tiny", *QUIET]
+
+
+def files_of(folder: Path) -> dict:
+    """Every file under ``folder`` (links too, by their target's name) with its bytes: what a
+    refusal must leave as it was."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_symlink():
+            out[p] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[p] = p.read_bytes()
+    return out
+
+
+def one_line(proc) -> str:
+    """The one error line of a refused command (no traceback)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "error" in lines[0], proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny run of 8 steps with checkpoints at steps 4 and 8."""
+    folder = tmp_path_factory.mktemp("run") / "run"
+    proc = cli_in_process("train", *TINY, "--set", "run.steps=8", "--set", "run.ckpt_every=4",
+                          "--run-dir", folder)
+    assert proc.returncode == 0, proc.stderr
+    return folder
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["generate", "export", "resume"])
+def test_a_missing_latest_falls_back_to_the_newest_complete_checkpoint(run, tmp_path, command):
+    """Without ``checkpoints/latest`` (deleted, or lost in a copy) the newest complete checkpoint
+    is read, not "no checkpoint" beside a complete ``step-0000008/``; a garbage ``latest`` is
+    still refused."""
+    folder = tmp_path / "run"
+    shutil.copytree(run, folder)
+    (folder / "checkpoints" / "latest").unlink()
+    if command == "generate":
+        proc = cli_in_process("generate", folder, "--prompt", "def ", "--max-new-tokens", "4")
+    elif command == "export":
+        proc = cli_in_process("export", folder, tmp_path / "out")
+    else:
+        proc = cli_in_process("train", "--run-dir", folder, "--resume", "--set", "run.steps=10", *QUIET)
+    assert proc.returncode == 0, proc.stderr
+    if command == "export":
+        assert "exported step 8" in proc.stdout
+    if command == "resume":
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4, 6, 8, 10]  # from step 8 on
+        (folder / "checkpoints" / "latest").write_text("garbage")
+        proc = cli_in_process("generate", folder, "--prompt", "def ", "--max-new-tokens", "4")
+        assert proc.returncode == 1 and "latest" in proc.stderr and "garbage" in proc.stderr, proc.stderr
