@@ -76,3 +76,48 @@ def test_a_missing_latest_falls_back_to_the_newest_complete_checkpoint(run, tmp_
         (folder / "checkpoints" / "latest").write_text("garbage")
         proc = cli_in_process("generate", folder, "--prompt", "def ", "--max-new-tokens", "4")
         assert proc.returncode == 1 and "latest" in proc.stderr and "garbage" in proc.stderr, proc.stderr
+
+
+# -- a run folder, recognized ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name, flags", [("config.json", []), ("config.json", ["--overwrite"]),
+                                         ("metrics.jsonl", ["--overwrite"]), ("checkpoints", [])])
+def test_a_folder_with_a_run_file_name_but_no_run_is_not_a_run_folder(tmp_path, name, flags):
+    """A project's own ``config.json`` (or another name a run writes) is not a run: refused as
+    "not a run folder", naming it, with or without --overwrite, and nothing in it changes (was:
+    "already holds a run ... start over with --overwrite", which replaced the user's file)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "main.py").write_text("print('hello')\n")
+    if name == "checkpoints":
+        (folder / name).mkdir()
+        (folder / name / "model.bin").write_bytes(b"\x00\x01")
+    else:
+        (folder / name).write_text('{"name": "my app", "port": 8080}\n')
+    before = files_of(folder)
+    line = one_line(cli_in_process("train", *TINY, "--run-dir", folder, *flags))
+    assert "not a run folder" in line and name in line and str(folder) in line, line
+    assert files_of(folder) == before
+
+
+def test_a_run_is_known_by_its_config_and_overwrite_removes_only_its_files(run, tmp_path):
+    """A run saved on a GPU machine with a value refused today (``optim.lr=-1``) is still a
+    run: refused without --overwrite; --overwrite replaces the run's own files and leaves the
+    files the run did not write (beside it, and in its checkpoints folder)."""
+    folder = tmp_path / "run"
+    shutil.copytree(run, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["run"]["device"], config["optim"]["lr"] = "cuda", -1.0
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "notes.txt").write_text("what I tried\n")
+    (folder / "checkpoints" / "README").write_text("keep me\n")
+    before = files_of(folder)
+    line = one_line(cli_in_process("train", *TINY, "--run-dir", folder, "--set", "run.steps=2"))
+    assert "already holds a run" in line
+    assert files_of(folder) == before
+    proc = cli_in_process("train", *TINY, "--run-dir", folder, "--set", "run.steps=2", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert (folder / "notes.txt").read_text() == "what I tried\n"
+    assert (folder / "checkpoints" / "README").read_text() == "keep me\n"
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["README", "latest", "step-0000002"]
+    assert json.loads((folder / "config.json").read_text())["run"]["steps"] == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -18,8 +19,43 @@ from pathlib import Path
 
 from . import lock
 
-#: what a run writes into its folder (``overwrite`` removes these and nothing else: not the lock)
+#: what a run writes into its folder (``overwrite`` removes these and nothing else: not the lock);
+#: the first three are files, the last two folders
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "checkpoints", "tensorboard")
+RUN_FOLDERS = ("checkpoints", "tensorboard")
+
+
+def _written_by_a_run(folder: str, name: str) -> bool:
+    """Whether entry ``name`` of the run's ``folder`` (``RUN_FOLDERS``) is one a run writes: a
+    checkpoint (``step-NNNNNNN``, its temporary ``.step-NNNNNNN.tmp``), ``latest`` and its
+    temporary file; TensorBoard's event files."""
+    if folder == "checkpoints":
+        return bool(re.fullmatch(r"\.?step-[0-9]{7}(\.tmp)?|\.?latest(\.tmp)?", name))
+    return name.startswith("events.out.tfevents.")
+
+
+def not_a_run(run_dir: Path, held: list[str]) -> str | None:
+    """Why ``run_dir``, which holds the run file names ``held``, is not a run's folder, or None
+    when it is one. A folder is a run's when its ``config.json`` has a run config's structure
+    (``validate.check_structure``: the sections and the fields' types as the loader reads
+    them, not their values, so a run saved on another machine or before a value was refused is
+    still a run) and each of its run files is of its kind (a file, or a folder): a file name
+    alone says nothing (a project's own ``config.json``)."""
+    from ..files import read_json
+    from .validate import check_structure
+
+    config = run_dir / "config.json"
+    if "config.json" not in held:
+        return f"it holds {', '.join(held)} but no run's config.json"
+    wrong = [name for name in held if not (run_dir / name).is_symlink()
+             and (run_dir / name).is_dir() != (name in RUN_FOLDERS)]
+    if wrong:
+        return f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what a run writes there"
+    try:
+        check_structure(read_json(config))
+    except (ValueError, OSError) as exc:
+        return f"its config.json is not a run's ({str(exc).splitlines()[0][:200]})"
+    return None
 
 
 def outside_links(run_dir: Path) -> list[str]:
@@ -52,8 +88,10 @@ def check_inside(run_dir: Path) -> None:
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, owner: bool = True) -> list[str]:
     """Refuse, before any work, to start in a folder that another job writes (its lock's owner
-    named), whose files lead out of it, or that holds a run (its config, checkpoints and log
-    would be overwritten or appended to) unless ``resume`` or ``overwrite``; reads only.
+    named), whose files lead out of it, that holds a file of a run's name but no run
+    (``not_a_run``: a user's own ``config.json``; even with ``overwrite``), or that holds a run
+    (its config, checkpoints and log would be overwritten or appended to) unless ``resume`` or
+    ``overwrite``; reads only.
     Returns the names of the run's files that ``overwrite`` will remove (``remove_run``) once
     the new run is known to be able to start. ``owner=False``: the lock is not looked at (the
     ranks of a job but rank 0, whose lock it is)."""
@@ -64,7 +102,13 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, owner: bool = Tr
         raise lock.FolderInUse(lock.in_use_message(run_dir, who))
     check_inside(run_dir)
     held = [name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
-    if not held or resume:
+    if not held:
+        return []
+    problem = not_a_run(run_dir, held)
+    if problem:
+        raise ValueError(f"{run_dir} is not a run folder: {problem}; a run never replaces files it did not "
+                         f"write, with or without --overwrite: choose another --run-dir, or move them away")
+    if resume:
         return []
     if not overwrite:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(held)}); continue it with --resume "
@@ -74,11 +118,20 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, owner: bool = Tr
 
 def remove_run(run_dir: Path, names: list[str]) -> None:
     """Remove the files ``names`` of the old run in ``run_dir`` (``--overwrite``); a link is
-    removed, never followed."""
+    removed, never followed. Of its folders (``RUN_FOLDERS``) only what a run writes there goes
+    (``_written_by_a_run``): a file the user put there stays, and so does the folder holding it."""
     for name in names:
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            for entry in path.iterdir():
+                if not _written_by_a_run(name, entry.name):
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            if not any(path.iterdir()):
+                path.rmdir()
         elif path.exists() or path.is_symlink():
             path.unlink()
 

@@ -21,6 +21,7 @@ another. In order:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -209,6 +210,26 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
         if type(processes) is not int or processes < 1:
             raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
         check_processes(cfg, processes)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+
+
+def check_structure(d) -> None:
+    """``ValueError`` unless ``d`` has a run config's structure as ``load_saved`` reads it: the
+    sections model, data, optim and run, each an object of the config's fields and their types
+    (``config.check_types``), holding every field without a default (the model's sizes). The
+    values are not checked: a run saved on another machine (``run.device='cuda'``) or before a
+    value was refused is still a run (``run_dir.check_run_dir`` tells a run's folder by it)."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in SECTIONS):
+        raise ValueError("not an attnres training config: expected an object with the sections "
+                         "model, data, optim and run")
+    for name, cls in SECTIONS.items():
+        check_types(cls, d[name], name)
+        lacking = [f"{name}.{f.name}" for f in dataclasses.fields(cls)
+                   if f.name not in d[name] and f.default is f.default_factory is dataclasses.MISSING]
+        if lacking:
+            raise ValueError(f"lacks {', '.join(lacking)}")
 
 
 def load_saved(d) -> TrainConfig:
