@@ -288,20 +288,50 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = None) -> list[dict]:
-    """Two AdamW groups: matrices decay; norms, gains, pseudo-queries, biases, gates and the
-    other vectors a stream declares (``Stream.no_weight_decay``) do not. Parameters that do not
-    require gradients are left out, and so are those not named in ``only`` (when given)."""
+def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = None,
+                 query_lr_scale: float = 1.0) -> list[dict]:
+    """AdamW's parameter groups, each named (``"name"``: checkpoints match groups by it):
+    ``decay``, the matrices; ``no_decay``, norms, gains, pseudo-queries, biases, gates and the
+    other vectors a stream declares (``Stream.no_weight_decay``). With ``query_lr_scale != 1`` a
+    third, ``query_projection``: the input-dependent queries' projections ``W_i`` (AttnRes
+    ``query="input"``), decaying as matrices, with ``"lr_scale": query_lr_scale`` (the trainer
+    sets each group's learning rate to its ``lr_scale`` times the schedule's). Parameters that do
+    not require gradients are left out, and so are those not named in ``only`` (when given)."""
     exempt: set[str] = set()
+    scaled: set[str] = set()
     for prefix, module in model.named_modules():
         if isinstance(module, Stream):
             exempt |= {f"{prefix}.{n}" if prefix else n for n in module.no_weight_decay()}
-    decay, no_decay = [], []
+            if query_lr_scale != 1.0 and getattr(module, "query_proj", None) is not None:
+                scaled.add(f"{prefix}.query_proj" if prefix else "query_proj")
+    decay, no_decay, query = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad or (only is not None and name not in only):
             continue
-        (no_decay if p.ndim < 2 or name in exempt else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        (query if name in scaled else no_decay if p.ndim < 2 or name in exempt else decay).append(p)
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    if scaled:
+        groups.append({"name": "query_projection", "params": query, "weight_decay": weight_decay,
+                       "lr_scale": query_lr_scale})
+    return groups
+
+
+#: the groups of an optimizer state saved before groups carried names, in their order
+UNNAMED_GROUPS = ("decay", "no_decay")
+
+
+def match_param_groups(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The saved optimizer's parameter groups (``state_dict()["param_groups"]``) in the order of
+    the ``current`` optimizer's, matched by name (``param_groups``; groups saved without names
+    are ``UNNAMED_GROUPS`` in order); ``ValueError`` naming both when they hold other groups."""
+    named = [dict(g, name=g.get("name", UNNAMED_GROUPS[k] if k < len(UNNAMED_GROUPS) else None))
+             for k, g in enumerate(saved)]
+    by_name = {g["name"]: g for g in named}
+    want = [g.get("name") for g in current]
+    if sorted(by_name, key=str) != sorted(want, key=str) or len(by_name) != len(named):
+        raise ValueError(f"the optimizer state holds the parameter groups {[g['name'] for g in named]}, the "
+                         f"model's optimizer {want}")
+    return [by_name[name] for name in want]

@@ -277,7 +277,7 @@ def test_a_tied_embeddings_optimizer_state_follows_it_to_the_rank_that_holds_the
         if load == "sharded":
             load_sharded(tmp_path / "ckpt", part, part_optimizer)
         else:
-            load_full(part, part_optimizer, whole.state_dict(), optimizer.state_dict(), config, 0.1)
+            load_full(part, part_optimizer, whole.state_dict(), optimizer.state_dict(), config, OptimConfig())
         got = part_optimizer.state[part.lm_head.weight]
         assert torch.equal(got["exp_avg"], moments["exp_avg"]) and torch.equal(got["exp_avg_sq"], moments["exp_avg_sq"])
         assert torch.equal(part.lm_head.weight, whole.tok_embeddings.weight)

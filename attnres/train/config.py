@@ -41,7 +41,8 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     """AdamW with warmup then ``cosine`` (to ``min_lr_ratio * lr``), ``wsd`` (warmup, stable,
-    then linear decay over the last ``decay_fraction`` of steps) or ``constant``."""
+    then linear decay over the last ``decay_fraction`` of steps) or ``constant``; every parameter
+    group's learning rate is its ``lr_scale`` (1 but for ``query_lr_scale``) times the schedule's."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -52,6 +53,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
     grad_clip: float = 1.0
+    #: the input-dependent queries' projections' learning rate, as a multiple of the scheduled one
+    #: (``model.query="input"`` only; ``model.param_groups``' ``query_projection`` group)
+    query_lr_scale: float = 1.0
 
 
 @dataclass

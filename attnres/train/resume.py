@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..model import match_param_groups
 from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
                          save_checkpoint)
 from .config import TrainConfig, to_dict
@@ -96,9 +97,11 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
             load_sharded(point.path, model, optimizer)
         elif not distributed:
             model.load_state_dict(point.weights)
-            optimizer.load_state_dict(state["optimizer"])
+            saved = state["optimizer"]
+            groups = match_param_groups(saved["param_groups"], optimizer.param_groups)
+            optimizer.load_state_dict({**saved, "param_groups": groups})
         else:
-            load_full(model, optimizer, point.weights, state["optimizer"], cfg.model, cfg.optim.weight_decay)
+            load_full(model, optimizer, point.weights, state["optimizer"], cfg.model, cfg.optim)
     except CheckpointError:
         raise
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import ModelConfig, Transformer, param_groups
+from ..model import ModelConfig, Transformer, match_param_groups, param_groups
 from .checkpoint_folder import CheckpointError, latest_checkpoint, prune, publish, write_synced
 
 
@@ -236,23 +236,25 @@ def read_weights(path: Path, config: ModelConfig) -> dict:
     return state["model"]
 
 
-def full_optimizer_names(config: ModelConfig, weight_decay: float) -> list[str]:
+def full_optimizer_names(config: ModelConfig, optim) -> list[str]:
     """The whole model's parameter names in the order one process's optimizer numbers them
-    (``param_groups``: the decaying ones, then the others)."""
+    (``param_groups`` for the ``OptimConfig`` ``optim``: the decaying ones, then the others, then
+    any scaled query projections)."""
     with torch.device("meta"):
         model = Transformer(config, initialize=False)
     names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for group in param_groups(model, weight_decay) for p in group["params"]]
+    groups = param_groups(model, optim.weight_decay, query_lr_scale=optim.query_lr_scale)
+    return [names[id(p)] for group in groups for p in group["params"]]
 
 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict,
-              config: ModelConfig, weight_decay: float) -> None:
+              config: ModelConfig, optim) -> None:
     """Load a one-process checkpoint (the whole model's ``weights`` and its optimizer's
     ``state_dict``, parameters numbered) into this rank's part: the names it holds picked out,
     FSDP2's shards cut from them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    numbered = full_optimizer_names(config, weight_decay)
+    numbered = full_optimizer_names(config, optim)
     local, saved = _tied_alias(model)
     as_held = {saved: local} if local else {}  # a tied embedding this rank knows by the head's name
     name_of = {**{k: n for k, n in enumerate(numbered)}, **{n: n for n in numbered}}  # numbered, or by name
@@ -263,9 +265,11 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict,
     if not all(k in name_of for k in saved_state):
         raise CheckpointError("the checkpoint's optimizer state does not name the model's parameters")
     state = {name_of[k]: v for k, v in saved_state.items() if name_of[k] in held}
-    groups = []
-    for saved, local in zip(optim_state["param_groups"], local_optim["param_groups"]):
-        groups.append({**saved, "params": local["params"]})
+    try:
+        saved_groups = match_param_groups(optim_state["param_groups"], local_optim["param_groups"])
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    groups = [{**saved, "params": local["params"]} for saved, local in zip(saved_groups, local_optim["param_groups"])]
     set_state_dict(model, optimizer, model_state_dict={k: weights[k] for k in local_model},
                    optim_state_dict={"state": state, "param_groups": groups},
                    options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))

@@ -133,8 +133,11 @@ def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Mod
 
 
 def build_optimizer(cfg: OptimConfig, model: Transformer) -> torch.optim.Optimizer:
-    """AdamW over ``param_groups`` (no weight decay on norms, biases and routing vectors)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    """AdamW over ``param_groups`` (no weight decay on norms, biases and routing vectors; the
+    input-dependent queries' projections in a group of their own when their learning rate is
+    scaled)."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, query_lr_scale=cfg.query_lr_scale), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2))
 
 
 def autocast_for(device: torch.device, setting: str) -> Callable:
@@ -246,7 +249,7 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
     r, o = run.cfg.run, run.cfg.optim
     lr = lr_at(step, r.steps, o)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     start_time = time.perf_counter()
     x, y = run.batch(step)
     run.optimizer.zero_grad(set_to_none=True)

@@ -104,6 +104,7 @@ FIELDS: dict[str, Range | Choice] = {
     "optim.min_lr_ratio": Range(0, 1),
     "optim.decay_fraction": Range(0, 1),
     "optim.grad_clip": Range(0, low_open=True),
+    "optim.query_lr_scale": Range(0, low_open=True),
     "run.steps": _count(),
     "run.batch_size": _count(),
     "run.seq_len": _count(),
@@ -135,13 +136,17 @@ def check_fields(cfg: TrainConfig) -> None:
 # -- 2. the fields that must agree -----------------------------------------------------------
 
 def check_agreement(cfg: TrainConfig) -> None:
-    """The batch splits into the micro-steps, a sequence fits the model's context, the device
-    is one torch knows."""
+    """The batch splits into the micro-steps, a sequence fits the model's context, a scaled
+    query learning rate has input-dependent queries to scale, the device is one torch knows."""
     r, m = cfg.run, cfg.model
     if r.batch_size % r.grad_accum:
         raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
     if r.seq_len > m.max_seq_len:
         raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.optim.query_lr_scale != 1.0 and not (m.residual in ("full", "block", "delta") and m.query == "input"):
+        raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
+                         f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
+                         f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
     if r.device != "auto":
         try:
             torch.device(r.device)
