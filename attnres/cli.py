@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import re
 import signal
@@ -27,20 +28,22 @@ def _config_from_args(args, assignments=None, base=None):
     assignments (or ``assignments``) applied together: checked as one whole, so their order
     never matters, and a setting that would not be applied is refused."""
     from .train.config import apply_overrides, preset
-    from .train.validate import check_run
+    from .train.validate import check_given, check_run
 
     cfg = base or preset(args.preset)
     if assignments is None:
         assignments = args.set or []
     given = ([f"data.source={args.data}"] if args.data else []) + list(assignments)
     cfg = apply_overrides(cfg, given)
-    keys = {a.partition("=")[0] for a in given}
+    keys = {a.partition("=")[0].strip() for a in given}
     source = Path(cfg.data.source).expanduser()
-    if "model.vocab_size" in keys and not (source / "train.bin").is_file():
+    token_files = (source / "train.bin").is_file()
+    if "model.vocab_size" in keys and not token_files:
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
     check_run(cfg)
+    check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not
     return cfg
 
 
@@ -97,15 +100,15 @@ def _add_config_args(p, default_preset, note=""):
 COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out")
 
 
-def _given_settings(argv) -> list[str]:
-    """The options of ``COMPARE_SETTINGS`` on a command line (as argparse reads them: a long
-    option or a prefix of one, alone or with ``=VALUE``)."""
+def _given_settings(argv, options=COMPARE_SETTINGS) -> list[str]:
+    """The ``options`` (default: ``COMPARE_SETTINGS``) on a command line (as argparse reads them:
+    a long option or a prefix of one, alone or with ``=VALUE``)."""
     given = set()
     for word in argv:
         name = word.partition("=")[0]
         if name.startswith("--") and len(name) > 2:
-            given.update(option for option in COMPARE_SETTINGS if option.startswith(name))
-    return [option for option in COMPARE_SETTINGS if option in given]
+            given.update(option for option in options if option.startswith(name))
+    return [option for option in options if option in given]
 
 
 def cmd_compare(args) -> int:
@@ -119,6 +122,10 @@ def cmd_compare(args) -> int:
                              f"with; leave out {' '.join(given)}")
         outcome = resume_comparison(Path(args.resume))
     else:
+        seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
+        if seeds:
+            raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
+                             f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
         # residual options go to the designs
         shared, overrides = split_residual_overrides(args.set or [])
         cfg = _config_from_args(args, shared)
@@ -155,6 +162,9 @@ def cmd_train(args) -> int:
     if args.resume:
         if not args.run_dir:
             raise ValueError("--resume continues the run in --run-dir: give its folder")
+        if _given_settings(args.argv[1:], ("--preset",)):
+            raise ValueError("--resume continues the run with the settings it was started with; leave out "
+                             "--preset (--set changes one of them, e.g. --set run.steps=2000)")
         from .train.run_dir import load_run_config
 
         run_dir = Path(args.run_dir)
@@ -163,8 +173,26 @@ def cmd_train(args) -> int:
         cfg = _config_from_args(args, base=_resumed_layout(load_run_config(run_dir), args.set or []))
     else:
         cfg = _config_from_args(args)
-        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.out_dir) / _run_name(cfg)
-    result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
+        run_dir = Path(args.run_dir) if args.run_dir else None
+    made = None
+    if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # under torchrun every rank names the folder alike: --run-dir avoids a shared second
+        run_dir = Path(cfg.run.out_dir) / _run_name(cfg)
+    elif run_dir is None:  # a default name, made here so that no other command takes it too
+        from .train.compare import new_folder
+
+        parent = Path(cfg.run.out_dir)
+        made = [p for p in (parent, *parent.parents) if not p.exists()]  # rmdir'ed in this order
+        run_dir = new_folder(parent, _run_name(cfg))
+        made.insert(0, run_dir)
+    try:
+        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
+    except BaseException:
+        # refused before its first step: the folders made for it go too (rmdir: only when empty)
+        with contextlib.suppress(OSError):
+            for folder in made or ():
+                folder.rmdir()
+        raise
     from .train import distributed
 
     distributed.teardown()
@@ -176,12 +204,16 @@ def cmd_train(args) -> int:
     return result.exit_code  # 130 after SIGINT, 143 after SIGTERM: `train && next` stops
 
 
-def load_run(run_dir: Path):
+def load_run(run_dir: Path, command: str = "attnres generate"):
     """The model of a training run folder, with its latest checkpoint's weights (every file
-    checked: the config, ``latest``, the checkpoint's files against the config's model)."""
+    checked: the config, ``latest``, the checkpoint's files against the config's model), on the
+    CPU: a backend the run chose that cannot run there gives way to ``auto``, in one line."""
+    import torch
+
     from .model import Transformer
     from .train.checkpoint import latest_checkpoint, load_checkpoint
     from .train.run_dir import load_run_config
+    from .train.validate import runnable_model
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
@@ -189,7 +221,10 @@ def load_run(run_dir: Path):
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint")
     weights, _ = load_checkpoint(ckpt, cfg.model)
-    model = Transformer(cfg.model)
+    model_config, note = runnable_model(cfg.model, torch.device("cpu"))
+    if note:
+        print(f"{command}: {note}", file=sys.stderr)
+    model = Transformer(model_config)
     model.load_state_dict(weights)
     return model.eval(), cfg
 
@@ -235,7 +270,48 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _limit(text: str):
+    """``--limit``: a number of examples per task (an integer) or a fraction of them in (0, 1),
+    as lm-eval reads it; the integer's range is checked with the other arguments."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of examples per task (an integer >= 1) "
+                                         f"nor a fraction of them in (0, 1)")
+    return value
+
+
+def check_eval_folder(model_dir) -> None:
+    """``attnres eval``'s folder, read before lm-eval and transformers load (seconds): a folder
+    with a ``config.json`` of a saved model; a training run's folder is pointed to ``attnres
+    export``, which writes the folder eval reads."""
+    from .files import read_json
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder: give a saved model's folder (attnres export or attnres convert)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{path} is not a saved model folder (config.json missing)")
+    value = read_json(config)
+    if isinstance(value, dict) and {"model", "data", "optim", "run"} <= set(value):
+        raise ValueError(f"{path} is a training run's folder; `attnres export {path} OUT` writes its latest "
+                         f"checkpoint as the model folder that eval reads")
+
+
 def cmd_eval(args) -> int:
+    if args.limit is not None and not args.limit > 0:
+        raise ValueError(f"limit={args.limit} must be a positive number of examples per task, a fraction in (0, 1) "
+                         f"of them, or None for all")
+    if args.batch_size < 1:
+        raise ValueError(f"batch_size={args.batch_size} must be >= 1")
+    check_eval_folder(args.model_dir)  # all before lm-eval and transformers load
     from .hf.evaluate import evaluate
 
     results = evaluate(args.model_dir, args.tasks, include_path=args.include_path, limit=args.limit,
@@ -325,10 +401,12 @@ def _add_eval(sub) -> None:
     p.add_argument("model_dir")
     p.add_argument("--tasks", nargs="+", required=True)
     p.add_argument("--include-path", help="folder of extra task YAML files")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=_limit, default=None,
+                   help="examples per task: a number, or a fraction in (0, 1) of each task's (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=1)
-    p.set_defaults(fn=cmd_eval, loads=("attnres.hf.evaluate",))
+    # lm-eval and transformers load once the arguments and the folder are checked (cmd_eval)
+    p.set_defaults(fn=cmd_eval, loads=("attnres.files",))
 
 
 def _add_serve(sub) -> None:

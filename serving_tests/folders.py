@@ -2,7 +2,8 @@
 reference tokens: greedy decoding by the ``transformers`` model of each folder (``generate``,
 which decodes through the KV cache and, for attnres's own model, the explicit decode path).
 
-Heads of 64 dimensions (vLLM's CPU attention's smallest). The models are random, with routing
+Heads of 64 dimensions, a size vLLM's CPU attention runs (``attnres serve`` reads the sizes it
+runs from vLLM, ``server.cpu_head_sizes``, and refuses a model of another size). The models are random, with routing
 parameters drawn away from their zero start (so that the depth routing changes every token)
 and an output head scaled up, so that greedy decoding is far from ties: each folder records the
 smallest gap between the two best logits over every step (``min_margin``)."""

@@ -174,7 +174,7 @@ def test_a_killed_rank_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path
     for pid in workers:  # no rank is left waiting on the dead one
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "attnres",
-         "train", *COMMON, *placement, "--set", "run.steps=20", "--run-dir", str(tmp_path / "run"), "--resume"],
+         "train", *COMMON[2:], *placement, "--set", "run.steps=20", "--run-dir", str(tmp_path / "run"), "--resume"],
         tmp_path)
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"train"' in line]
     assert steps == list(range(1, 21))  # every step once, across the crash

@@ -194,6 +194,36 @@ def test_train_on_generated_settings_is_one_line_or_a_run(choice):
             assert not run.exists(), sorted(p.name for p in run.iterdir())
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tokenizer=st.sampled_from(["byte", "bpe"]), schedule=st.sampled_from(["cosine", "wsd", "constant"]),
+       given=st.sets(st.sampled_from(["data.bpe_vocab_size=300", "optim.decay_fraction=0.5", "optim.min_lr_ratio=0.5"])),
+       seed=st.sampled_from(["0", "top", "top+1", "100000000000000"]), steps=st.sampled_from([1, 1000]))
+def test_settings_that_do_nothing_or_fail_later_are_refused_exactly(tokenizer, schedule, given, seed, steps):
+    """Drawn combinations of a user's settings: refused, naming the setting, exactly when one
+    acts only under a value it does not have or the seed's data seeds leave int64."""
+    from attnres.train.config import apply_overrides, tiny
+    from attnres.train.validate import check_given, check_run, max_seed
+
+    top = max_seed(steps)
+    seed_value = {"top": top, "top+1": top + 1}.get(seed, seed)
+    assignments = [f"data.tokenizer={tokenizer}", f"optim.schedule={schedule}", f"run.seed={seed_value}",
+                   f"run.steps={steps}", *sorted(given)]
+    keys = {a.partition("=")[0] for a in given}
+    expected = sorted(key for key, acts in (("data.bpe_vocab_size", tokenizer == "bpe"),
+                                            ("optim.decay_fraction", schedule == "wsd"),
+                                            ("optim.min_lr_ratio", schedule != "constant")) if key in keys and not acts)
+    if int(seed_value) > top:
+        expected = ["run.seed"]  # the checks of every value come before those of the given ones
+    cfg = apply_overrides(tiny(), assignments)
+    try:
+        check_run(cfg)
+        check_given(cfg, keys | {"data.tokenizer", "optim.schedule", "run.seed", "run.steps"})
+    except ValueError as err:
+        assert expected and any(key in str(err) for key in expected), (str(err), expected)
+    else:
+        assert not expected, expected
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     from .conftest import cli_in_process

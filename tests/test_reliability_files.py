@@ -121,3 +121,98 @@ def test_a_run_is_known_by_its_config_and_overwrite_removes_only_its_files(run, 
     assert (folder / "checkpoints" / "README").read_text() == "keep me\n"
     assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["README", "latest", "step-0000002"]
     assert json.loads((folder / "config.json").read_text())["run"]["steps"] == 2
+
+
+# -- data ------------------------------------------------------------------------------------
+
+def _text_folder(folder: Path) -> Path:
+    folder.mkdir()
+    for k in range(4):
+        (folder / f"part{k}.txt").write_text("".join(f"line {i} of part {k}: some words to read\n" for i in range(60)))
+    return folder
+
+
+def test_a_run_folder_inside_its_data_folder_is_left_out_of_the_corpus(tmp_path):
+    """``--data D --run-dir D/run``: the run's own files (config, summary, log) are not read as
+    data, so a resumed run trains on the corpus it started on (was: 53,001 -> 71,768 tokens)."""
+    from attnres.train.config import DataConfig
+    from attnres.train.data import load_corpus
+
+    data = _text_folder(tmp_path / "data")
+    alone = load_corpus(DataConfig(source=str(data)), 256)
+    proc = cli_in_process("train", *TINY, "--set", "run.steps=2", "--data", data, "--run-dir", data / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert (data / "run" / "config.json").is_file() and (data / "run" / "summary.json").is_file()
+    again = load_corpus(DataConfig(source=str(data)), 256)
+    assert np.array_equal(again.train, alone.train) and np.array_equal(again.val, alone.val)
+    proc = cli_in_process("train", "--run-dir", data / "run", "--resume", "--set", "run.steps=4", *QUIET)
+    assert proc.returncode == 0, proc.stderr
+    assert np.array_equal(load_corpus(DataConfig(source=str(data)), 256).train, alone.train)
+
+
+def test_text_that_is_not_utf8_is_refused_for_bpe_naming_the_file_and_offset(tmp_path):
+    """A BPE tokenizer reads text: a file that is not UTF-8 is refused naming it and its first
+    bad byte (was: each such byte read silently as U+FFFD), unless ``data.decode_errors=replace``;
+    checked per file before the split, which may cut a character the file holds whole."""
+    from attnres.train.config import DataConfig
+    from attnres.train.data import load_corpus
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(("caf\xe9 au lait, " * 400).encode("latin-1"))
+    bpe = ["--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=300", "--set", "run.steps=2"]
+    before = files_of(tmp_path)
+    line = one_line(cli_in_process("train", *TINY, *bpe, "--data", bad, "--run-dir", tmp_path / "run"))
+    assert str(bad) in line and "byte 0xe9 at offset 3" in line and "data.decode_errors=replace" in line, line
+    assert files_of(tmp_path) == before and not (tmp_path / "run").exists()
+    line = one_line(cli_in_process("train", *TINY, *bpe, "--set", "data.decode_errors=ignore", "--data", bad,
+                                   "--run-dir", tmp_path / "run"))
+    assert "data.decode_errors='ignore' must be one of ('strict', 'replace')" in line, line
+    proc = cli_in_process("train", *TINY, *bpe, "--set", "data.decode_errors=replace", "--data", bad,
+                          "--run-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    cut = tmp_path / "accents.txt"  # 2002 bytes of two-byte characters: the split falls inside one
+    cut.write_text("\xe9" * 1001)
+    corpus = load_corpus(DataConfig(source=str(cut), tokenizer="bpe", bpe_vocab_size=300), 256,
+                         bpe_dir=tmp_path / "bpe")
+    assert len(corpus.train) and len(corpus.val)
+
+
+def test_a_run_saved_before_decode_errors_resumes_as_it_read_its_data(run, tmp_path):
+    """A run saved without ``data.decode_errors`` reads as ``replace`` (what it did), so it
+    still resumes: its saved data settings agree with the ones it is resumed with."""
+    import torch
+
+    from attnres.train.run_dir import load_run_config
+
+    folder = tmp_path / "run"
+    shutil.copytree(run, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["data"]["decode_errors"]
+    (folder / "config.json").write_text(json.dumps(config))
+    for state_file in (folder / "checkpoints").glob("step-*/state.pt"):
+        state = torch.load(state_file, weights_only=True)
+        del state["config"]["data"]["decode_errors"]
+        torch.save(state, state_file)
+    assert load_run_config(folder).data.decode_errors == "replace"
+    proc = cli_in_process("train", "--run-dir", folder, "--resume", "--set", "run.steps=10", *QUIET)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("fault", ["odd train.bin", "empty train.bin", "fifo"])
+def test_a_data_error_names_the_file_and_what_is_wrong(tmp_path, fault):
+    """An odd-size or empty ``train.bin`` and a FIFO given as the data are refused in one line
+    naming the file and what is wrong (was: numpy's "cannot mmap an empty file", or a FIFO
+    called a "data folder")."""
+    data = tmp_path / "data"
+    if fault == "fifo":
+        os.mkfifo(data)
+        path, what = data, "named pipe (FIFO)"
+    else:
+        data.mkdir()
+        path = data / "train.bin"
+        path.write_bytes(np.arange(99, dtype=np.uint16).tobytes()[: 1 if fault.startswith("odd") else 0])
+        (data / "val.bin").write_bytes(np.arange(99, dtype=np.uint16).tobytes())
+        what = "odd number" if fault.startswith("odd") else "is empty"
+    line = one_line(cli_in_process("train", *TINY, "--data", data, "--run-dir", tmp_path / "run"))
+    assert str(path) in line and what in line, line
+    assert not (tmp_path / "run").exists()

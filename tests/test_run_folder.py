@@ -172,7 +172,8 @@ def test_a_second_writer_is_refused_while_the_first_runs(tmp_path, data):
         assert refused.returncode == 2 and f"is in use by process {winner.pid} on " in err, err
         assert winner.poll() is None
         for extra in (["--resume"], ["--overwrite"], []):
-            line = one_line_error(cli_in_process("train", *common(data), "--run-dir", run, *extra))
+            given = common(data)[2:] if extra == ["--resume"] else common(data)  # a resume takes no --preset
+            line = one_line_error(cli_in_process("train", *given, "--run-dir", run, *extra))
             assert f"in use by process {winner.pid}" in line, line
     finally:
         for p in procs:

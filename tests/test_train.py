@@ -277,7 +277,8 @@ def test_sigkill_at_random_moments_then_resume_ends_bit_identical(tmp_path):
     assert run_cli("train", *args, "--run-dir", str(tmp_path / "straight")).returncode == 0
     crashed, rng = tmp_path / "crashed", random.Random(0)
     for k, kill_at in enumerate((12, 37, 61)):
-        proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", *args, "--run-dir", str(crashed),
+        proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", *(args[2:] if k else args),  # no --preset
+                                 "--run-dir", str(crashed),
                                  *(["--resume"] if k else [])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while train_rows(crashed / "metrics.jsonl") < kill_at and proc.poll() is None and time.time() < deadline:
@@ -287,7 +288,7 @@ def test_sigkill_at_random_moments_then_resume_ends_bit_identical(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert latest_checkpoint(crashed / "checkpoints") is not None
-    finished = run_cli("train", *args, "--run-dir", str(crashed), "--resume")
+    finished = run_cli("train", *args[2:], "--run-dir", str(crashed), "--resume")
     assert finished.returncode == 0, finished.stderr
     a, _ = load_checkpoint(latest_checkpoint(tmp_path / "straight" / "checkpoints"))
     b, _ = load_checkpoint(latest_checkpoint(crashed / "checkpoints"))

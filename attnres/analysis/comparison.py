@@ -183,16 +183,38 @@ def final_losses(runs: list[dict]) -> dict[str, float]:
     return {str(r["seed"]): r["summary"]["final_val_loss"] for r in runs}
 
 
+def training_tokens(runs: list[dict]) -> dict[str, int]:
+    """Seed (a string, as in results.json) -> the training tokens the run saw (its summary's)."""
+    return {str(r["seed"]): r["summary"]["tokens"] for r in runs}
+
+
+def unequal_tokens(designs: dict[str, list[dict]], baseline: str) -> dict[str, dict[str, list[int]]]:
+    """Design -> seed -> ``[the baseline's tokens, the design's]`` where a pair did not see the
+    same training tokens (a run resumed to more steps than the others, by hand): such a pair
+    measures the budget as well as the design, so it is not compared."""
+    base = training_tokens(designs[baseline])
+    out = {}
+    for name, runs in designs.items():
+        differ = {seed: [base[seed], n] for seed, n in training_tokens(runs).items() if seed in base and base[seed] != n}
+        if differ and name != baseline:
+            out[name] = differ
+    return out
+
+
 def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
     """What ``results.json`` holds: every design's final validation loss per seed, and for each
-    design but the baseline its paired difference to the baseline (``analysis.stats``)."""
+    design but the baseline its paired difference to the baseline (``analysis.stats``), only
+    where every pair saw the same training tokens (else ``unequal_tokens``, no difference)."""
     base = final_losses(designs[baseline])
+    unequal = unequal_tokens(designs, baseline)
     out = {"baseline": baseline, "designs": {}}
     for name, runs in designs.items():
         losses = final_losses(runs)
         mean, sd = mean_and_sd(list(losses.values()))
         entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": sd}
-        if name != baseline:
+        if name in unequal:
+            entry.update(diff_mean=None, ci95=None, verdict="unequal tokens", unequal_tokens=unequal[name])
+        elif name != baseline:
             paired = paired_difference(base, losses)
             entry.update(diff_mean=paired["diff_mean"], ci95=paired["ci95"], verdict=paired["verdict"])
         out["designs"][name] = entry

@@ -60,6 +60,8 @@ def _summary_lines(index, designs, results, unit) -> list[str]:
         cells = [name, loss, f"{e['val_loss_mean'] / math.log(2):.4f}"]
         if name == baseline:
             cells += ["baseline"] + ["", ""] * paired
+        elif e["diff_mean"] is None:  # a pair that saw other tokens: no difference is taken
+            cells += ["not compared: other tokens"] + ["", "not compared"] * paired
         else:
             cells.append(f"{e['diff_mean']:+.4f}")
             if paired:
@@ -140,15 +142,32 @@ def _header(c: Comparison) -> list[str]:
         "# Residual designs compared",
         "",
         *_incomplete_section(c),
-        f"Data: {first['summary']['data']}. Every design saw the same {first['summary']['tokens']:,} training tokens "
-        f"({run['steps']} steps of {run['batch_size']} x {run['seq_len']}) in the same order, from the same initial "
-        f"seed, and was evaluated on the same {run['eval_batches']} validation batches.",
+        f"Data: {first['summary']['data']}. {_tokens_text(c)}",
         f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
         f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}. Seeds: {', '.join(map(str, c.seeds))}. "
         f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
         *_summary_lines(c.index, c.designs, c.results, unit),
     ]
+
+
+def _tokens_text(c: Comparison) -> str:
+    """What the designs saw: the same training tokens, or (a run resumed to more steps by hand)
+    which run saw how many, and that the pairs of unequal tokens are not compared."""
+    first = c.runs[0]
+    run = first["config"]["run"]
+    counts = {r["summary"]["tokens"] for r in c.runs}
+    if len(counts) == 1:
+        return (f"Every design saw the same {first['summary']['tokens']:,} training tokens ({run['steps']} steps of "
+                f"{run['batch_size']} x {run['seq_len']}) in the same order, from the same initial seed, and was "
+                f"evaluated on the same {run['eval_batches']} validation batches.")
+    seen = "; ".join(f"{r['design']}, seed {r['seed']}: {r['summary']['tokens']:,} ({r['summary']['steps']} steps)"
+                     for r in c.runs)
+    unequal = sorted(name for name, e in c.results["designs"].items() if e.get("unequal_tokens"))
+    return (f"**The designs did not all see the same training tokens**: {seen}. A difference between runs of "
+            f"unequal budgets measures the budget as well as the design: {', '.join(unequal) or 'none'} "
+            f"{'is' if len(unequal) == 1 else 'are'} not compared with {c.baseline}. Each design was evaluated on "
+            f"the same {run['eval_batches']} validation batches.")
 
 
 def _options_section(c: Comparison) -> list[str]:

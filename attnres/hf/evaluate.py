@@ -14,6 +14,27 @@ import torch
 from ..files import read_json
 
 
+def runnable_config(model_dir: Path, device: str) -> dict:
+    """``from_pretrained``'s ``config`` for a native attnres folder whose routing backend cannot
+    run on ``device`` (a model trained with ``backend=triton`` on a GPU, evaluated on a CPU):
+    the same model with ``backend="auto"``, said in one line; ``{}`` otherwise."""
+    import sys
+
+    from transformers import AutoConfig
+
+    from ..train.validate import runnable_model
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if getattr(config, "model_type", None) != "attnres":
+        return {}
+    model, note = runnable_model(config.model_config(), torch.device(device))
+    if note is None:
+        return {}
+    print(f"attnres eval: {note}", file=sys.stderr)
+    config.attnres = {**config.attnres, "backend": model.backend}
+    return {"config": config}
+
+
 def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 1):
     """lm-eval's ``HFLM`` around the model and tokenizer saved in ``model_dir``."""
     try:
@@ -40,7 +61,7 @@ def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 
     if len(tokenizer) > vocab:  # a token id past the embedding would index out of it
         raise ValueError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens, more than the model's vocabulary "
                          f"(vocab_size={vocab} in config.json): save the model's own tokenizer with it")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **runnable_config(model_dir, device)).eval()
     return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 

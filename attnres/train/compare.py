@@ -33,7 +33,8 @@ from .lock import FolderLock
 from .run_dir import RUN_FILES
 from .signals import Signals, exit_status
 from .trainer import EVAL_SEED, train
-from .validate import check_run
+from .distributed import pick_device
+from .validate import check_backend, check_run, max_seed
 
 #: what every design of a comparison shares: the model's fields but the residual kind and options
 SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
@@ -84,6 +85,10 @@ def parse_design(label: str) -> tuple[str, dict]:
             raise ValueError(f"design {label!r}: {part!r} is not field=value (options are separated by colons: "
                              "name:field=value:field=value)")
         if field not in takes and field not in VARIANT_FIELDS:
+            named = [f for f in takes if MODEL_OPTIONS[f].name == field]
+            if named:  # the stream's own name of an option the config names otherwise (GR's rank)
+                raise ValueError(f"design {label!r}: the option {field!r} of {name!r} is written "
+                                 f"{named[0]!r}: {name}:{named[0]}={value}")
             raise ValueError(f"design {label!r}: {field!r} is not an option of {name!r} (a {kind} design); "
                              f"it takes {sorted(takes) + list(VARIANT_FIELDS)}")
         if field in options:
@@ -189,6 +194,8 @@ class Plan:
     baseline: str
     options: dict[str, dict]
     configs: dict[str, ModelConfig]
+    #: a design whose settings are another's, written differently -> that design (an A/A control)
+    repeats: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def run_config(self, label: str, seed: int) -> TrainConfig:
         return dataclasses.replace(self.base, model=self.configs[label],
@@ -205,19 +212,43 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
             raise ValueError(f"{name} {values} must be given, each once")
     if any(type(s) is not int or s < 0 for s in seeds):
         raise ValueError(f"seeds {seeds} must be integers >= 0")
+    top = max_seed(base.run.steps)
+    if any(s > top for s in seeds):
+        raise ValueError(f"seeds {seeds} must be integers in [0, {top}] (run.seed: each step's data seed, "
+                         f"run.seed * 1000003 + step, must fit in a 64-bit integer)")
     check_labels(designs)
     baseline = choose_baseline(designs, baseline)
     check_report_dependencies(len(seeds))
     check_overrides(designs, overrides)
-    options, configs = {}, {}
+    options, configs, repeats = {}, {}, {}
+    device = pick_device(base.run.device)
     for label in designs:
         options[label] = design_options(base.model, label, overrides)
         try:
             configs[label] = design_config(base.model, label, options=options[label])
             check_run(dataclasses.replace(base, model=configs[label]))
+            check_backend(configs[label], device)  # before the first design trains, not at its turn
         except ValueError as err:
             raise ValueError(f"design {label!r}: {err}") from None
-    return Plan(base, designs, seeds, baseline, options, configs)
+        same = next((other for other in configs if other != label and configs[other] == configs[label]), None)
+        if same is not None:
+            repeats[label] = same
+    return Plan(base, designs, seeds, baseline, options, configs, repeats)
+
+
+def new_folder(parent: Path, stem: str) -> Path:
+    """A new folder ``parent/stem``, or ``stem-2``, ``stem-3``, ... when that name is taken:
+    made with one ``mkdir`` each (atomic), so that two commands started in the same second
+    never share a default folder."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = parent / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -255,8 +286,9 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
     options given, and per run the steps planned and done."""
     overrides = overrides or {}
     plan = plan_comparison(base, designs, seeds, overrides, baseline)
-    root = Path(out_dir) / time.strftime("compare-%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=False)
+    for label, same in plan.repeats.items():
+        log(f"design {label!r} has the settings of {same!r}: it repeats that design (an A/A control)")
+    root = new_folder(Path(out_dir), time.strftime("compare-%Y%m%d-%H%M%S"))
     index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
              "baseline": plan.baseline, "command": command, "steps": base.run.steps,
              "config": to_dict(base), "overrides": overrides, "runs": []}

@@ -28,6 +28,10 @@ class DataConfig:
     ``"hf:NAME[:CONFIG]"`` for a Hugging Face ``datasets`` source (needs that package).
     ``tokenizer``: ``"byte"`` (token b is byte b) or ``"bpe"`` (trained on the training split
     with the ``tokenizers`` library, ``bpe_vocab_size`` tokens, cached).
+    ``decode_errors``: what a tokenizer that reads text (BPE) does with a file that is not UTF-8:
+    ``"strict"`` refuses it, naming the file and the first bad byte; ``"replace"`` reads each bad
+    byte as U+FFFD (a run saved before the field existed did so, and reads as ``"replace"``:
+    ``SAVED_BEFORE``).
     """
 
     source: str = "stdlib"
@@ -36,6 +40,12 @@ class DataConfig:
     val_fraction: float = 0.05
     max_train_tokens: int | None = None
     max_val_tokens: int | None = None
+    decode_errors: str = "strict"
+
+
+#: what a field a saved config lacks reads as, where that is not its default for a new run:
+#: section -> {field: value}; an older run, resumed or read, keeps doing what it did
+SAVED_BEFORE = {"data": {"decode_errors": "replace"}}
 
 
 @dataclass
@@ -298,7 +308,7 @@ def from_dict(d: dict) -> TrainConfig:
     try:
         return TrainConfig(
             model=ModelConfig(**d["model"]),
-            data=DataConfig(**d["data"]),
+            data=DataConfig(**{**SAVED_BEFORE["data"], **d["data"]}),
             optim=OptimConfig(**d["optim"]),
             run=RunConfig(**d["run"]),
         )

@@ -4,10 +4,11 @@ The embedded default is the Python standard library's own source files: real tex
 Python install carries, so nothing is downloaded. The split into train and validation is by
 file (a stable hash of the relative path), so no file contributes to both.
 
-Other sources: any text file or folder, nanoGPT-style ``train.bin``/``val.bin`` token files
+Other sources: any text file or folder (a run folder inside it left out: ``text_files``), nanoGPT-style ``train.bin``/``val.bin`` token files
 (uint16), and ``hf:NAME[:CONFIG]`` through the ``datasets`` package. Tokens are bytes by
 default; ``tokenizer="bpe"`` trains a byte-level BPE on the training split with the
-``tokenizers`` library and caches it.
+``tokenizers`` library and caches it; it reads text, so each file must be UTF-8 unless
+``decode_errors="replace"`` (``check_utf8``).
 
 Batches are a pure function of ``(seed, step)``: every design of a comparison sees the same
 batches in the same order, and a resumed run continues with exactly the batches it would have seen.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ import numpy as np
 import torch
 
 from ..cache import cache_dir
+from .lock import LOCK_FILE
+from .run_dir import RUN_FILES
 
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".html", ".json", ".csv", ".tex"}
@@ -71,11 +75,26 @@ def split_files(files: list[Path], root: Path, val_fraction: float) -> tuple[lis
     return train, val
 
 
-def read_bytes(files: list[Path], max_bytes: int | None = None) -> np.ndarray:
-    """Concatenate files as uint8 tokens (byte b is token b), up to ``max_bytes``."""
+def check_utf8(path: Path, data: bytes) -> None:
+    """``ValueError`` naming ``path`` and its first byte that is not UTF-8 (its offset in the
+    file): a tokenizer that reads text would read it as U+FFFD. Checked per file, whole, before
+    any slicing (a slice may cut a character that the file holds whole)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} "
+                         f"({err.reason}); data.tokenizer='bpe' reads text: convert the file to UTF-8, or set "
+                         f"data.decode_errors=replace to read such bytes as U+FFFD") from None
+
+
+def read_bytes(files: list[Path], max_bytes: int | None = None, utf8: bool = False) -> np.ndarray:
+    """Concatenate files as uint8 tokens (byte b is token b), up to ``max_bytes``; with
+    ``utf8``, each file checked to be UTF-8 text (``check_utf8``)."""
     chunks, total = [], 0
     for p in files:
         data = p.read_bytes()
+        if utf8:
+            check_utf8(p, data)
         chunks.append(np.frombuffer(data, dtype=np.uint8))
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
@@ -85,37 +104,70 @@ def read_bytes(files: list[Path], max_bytes: int | None = None) -> np.ndarray:
 
 
 def stdlib_corpus(val_fraction: float = 0.05, max_train_bytes: int | None = None,
-                  max_val_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  max_val_bytes: int | None = None, utf8: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Byte tokens ``(train, val)`` of the standard library sources, split by file."""
     root = stdlib_root()
     train_files, val_files = split_files(stdlib_files(root), root, val_fraction)
-    return read_bytes(train_files, max_train_bytes), read_bytes(val_files, max_val_bytes)
+    return read_bytes(train_files, max_train_bytes, utf8), read_bytes(val_files, max_val_bytes, utf8)
 
 
 # -- other sources ---------------------------------------------------------------------------
 
+def kind_of(path: Path) -> str:
+    """What ``path`` is, in words, when it is neither a file nor a folder."""
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "neither a file nor a folder"
+
+
+def is_run_file(path: Path, root: Path) -> bool:
+    """Whether ``path`` (under the data folder ``root``) is a file of a training run: it lies,
+    under one of the names a run writes (``RUN_FILES``, a cached BPE tokenizer ``bpe-*.json``),
+    in a folder that holds a run's lock (``.lock``, made as the run starts). A run folder
+    inside its own data folder (``--data D --run-dir D/run``) would otherwise add its config,
+    summary and tokenizer to the corpus once it has written them: a resumed run would train on
+    other data than it started on."""
+    rel = path.relative_to(root).parts
+    for depth in range(len(rel)):
+        folder = root.joinpath(*rel[:depth])
+        if (folder / LOCK_FILE).is_file():
+            name = rel[depth]
+            if name in RUN_FILES or (depth == len(rel) - 1 and name.startswith("bpe-") and name.endswith(".json")):
+                return True
+    return False
+
+
 def text_files(path: Path) -> list[Path]:
+    """The text file ``path``, or the text files of folder ``path`` (by suffix, ``TEXT_SUFFIXES``)
+    but a run's own files (``is_run_file``)."""
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not path.is_dir():
+        raise ValueError(f"data path {path} is {kind_of(path)}; data.source takes a text file, a folder of text "
+                         f"files or of train.bin/val.bin token files")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                   and not is_run_file(p, path))
     if not files:
         raise ValueError(f"data folder {path} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
     return files
 
 
-def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val: int | None):
+def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val: int | None, utf8: bool = False):
     """Bytes of a text file or folder: split by file when there are several, else the last
-    ``val_fraction`` of the one file is validation."""
+    ``val_fraction`` of the one file is validation; with ``utf8``, each file UTF-8 text."""
     files = text_files(path)
     if len(files) == 1:
-        data = read_bytes(files)
+        data = read_bytes(files, utf8=utf8)
         cut = int(len(data) * (1 - val_fraction))
         train, val = data[:cut], data[cut:]
     else:
         train_files, val_files = split_files(files, path, val_fraction)
         if not val_files:  # tiny folders: hold out the last file
             train_files, val_files = files[:-1], files[-1:]
-        train, val = read_bytes(train_files), read_bytes(val_files)
+        train, val = read_bytes(train_files, utf8=utf8), read_bytes(val_files, utf8=utf8)
     return train[:max_train], val[:max_val]
 
 
@@ -126,6 +178,14 @@ def token_file_corpus(folder: Path, vocab_size: int):
         path = folder / name
         if not path.exists():
             raise ValueError(f"token folder {folder} lacks {name}")
+        if not path.is_file():
+            raise ValueError(f"{path} is {'a folder' if path.is_dir() else kind_of(path)}, not a file of uint16 tokens")
+        size = path.stat().st_size
+        if size == 0:
+            raise ValueError(f"{path} is empty: a token file holds uint16 token ids, 2 bytes each")
+        if size % 2:
+            raise ValueError(f"{path} holds {size} bytes, an odd number: a token file holds uint16 token ids, 2 bytes "
+                             f"each; was it cut short?")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         if len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(
@@ -188,8 +248,9 @@ def encode(tok, data: np.ndarray) -> np.ndarray:
 def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None) -> Corpus:
     """The corpus ``cfg`` (a ``DataConfig``) describes, tokenized."""
     src = cfg.source
+    utf8 = cfg.tokenizer == "bpe" and cfg.decode_errors == "strict"  # BPE reads text, bytes need no check
     if src == "stdlib":
-        train, val = stdlib_corpus(cfg.val_fraction)
+        train, val = stdlib_corpus(cfg.val_fraction, utf8=utf8)
         desc = f"Python {sysconfig.get_python_version()} standard library sources, split by file"
     elif src.startswith("hf:"):
         train_text, val_text = hf_text(src, cfg.val_fraction)
@@ -205,7 +266,7 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None) -> Corp
             train, val = token_file_corpus(path, model_vocab_size)
             return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], model_vocab_size,
                           f"token files in {path}")
-        train, val = text_corpus(path, cfg.val_fraction, None, None)
+        train, val = text_corpus(path, cfg.val_fraction, None, None, utf8)
         desc = f"text from {path}"
     vocab, tok_path = 256, None
     if cfg.tokenizer == "bpe":

@@ -14,7 +14,7 @@ from torch import nn
 from ..model import match_param_groups
 from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
                          save_checkpoint)
-from .config import TrainConfig, to_dict
+from .config import SAVED_BEFORE, TrainConfig, to_dict
 from .sharded import load_full, load_sharded, save_sharded
 from .steps import LayerGradNorms
 
@@ -38,6 +38,7 @@ def _same_data(saved: dict, given: dict) -> list[str]:
             return str(Path(value).expanduser().resolve())
         return value
 
+    saved = {**SAVED_BEFORE["data"], **saved}  # a field the run saved before it existed: what it did then
     return [f"data.{k}: the run's {saved.get(k)!r}, given {v!r}" for k, v in given.items()
             if norm(k, saved.get(k)) != norm(k, v)]
 

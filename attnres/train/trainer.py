@@ -5,8 +5,9 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
 ``train`` runs a run's parts in order, each a function over the ``Run`` that ``start`` makes:
 
 1. the checks, which read only: every setting and its placement on the job's processes
-   (``validate.check_run``), the device, the run folder (``run_dir.check_run_dir``: its lock,
-   its links, a run it holds) and, on a resume, the checkpoint (``resume_point``);
+   (``validate.check_run``), the device and an explicit backend on it (``validate.check_backend``),
+   the run folder (``run_dir.check_run_dir``: its lock, its links, a run it holds) and, on a
+   resume, the checkpoint (``resume_point``);
 2. the run folder's lock (``train/lock.py``, rank 0), the data (``load_data``), the memory the
    model needs (``resources.check_memory``), then the processes (``start_processes``), every
    rank told of any refusal (``_prepare``);
@@ -46,7 +47,7 @@ from .resume import restore, resume_point, save
 from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
 from .signals import Signals, agreed_signal, exit_status
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
-from .validate import check_run
+from .validate import check_backend, check_run
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
@@ -456,7 +457,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     processes, main = dist.launched_world_size(), dist.launched_rank() == 0
     check_run(cfg, processes)  # before any process waits on another
     plan = run_plan(cfg, processes)
-    dist.pick_device(cfg.run.device)
+    check_backend(cfg.model, dist.pick_device(cfg.run.device))  # an explicit backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir) if resume else None
     locked = False

@@ -95,6 +95,7 @@ FIELDS: dict[str, Range | Choice] = {
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True),
     "data.max_train_tokens": _count(none=True),
     "data.max_val_tokens": _count(none=True),
+    "data.decode_errors": Choice(("strict", "replace")),
     "optim.lr": Range(0, low_open=True),
     "optim.weight_decay": Range(0),
     "optim.beta1": Range(0, 1, high_open=True),
