@@ -66,3 +66,19 @@ def test_a_seed_beyond_the_range_makes_the_design_beyond():
 def test_budgets_must_start_at_one_and_ascend(budgets):
     with pytest.raises(ValueError, match=r"--budgets"):
         check_budgets(budgets)
+
+
+def test_mcnemar_against_a_case_worked_by_hand():
+    from attnres.analysis.stats import mcnemar
+
+    # 10 discordant items, 2 right for the control only and 8 for the treated model only:
+    # p = 2 P(X <= 2), X ~ Binomial(10, 1/2) = 2 (1 + 10 + 45) / 1024
+    control = [True] * 2 + [False] * 8 + [True] * 5 + [False] * 5
+    treated = [False] * 2 + [True] * 8 + [True] * 5 + [False] * 5
+    out = mcnemar(control, treated)
+    assert (out["items"], out["n01"], out["n10"]) == (20, 2, 8)
+    assert out["p"] == pytest.approx(112 / 1024, rel=1e-12)
+    assert out["acc_control"] == 7 / 20 and out["acc_treated"] == 13 / 20 and out["acc_diff"] == pytest.approx(0.3)
+    assert mcnemar([True, False], [True, False])["p"] == 1.0  # no discordant item
+    with pytest.raises(ValueError, match="the same items"):
+        mcnemar([True], [True, False])

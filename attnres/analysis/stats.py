@@ -38,3 +38,24 @@ def paired_difference(baseline: dict[str, float], design: dict[str, float], conf
 def mean_and_sd(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (None for one value)."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def mcnemar(control: list[bool], treated: list[bool]) -> dict:
+    """The exact McNemar test of two models' per-item correctness on the same items (each a list
+    of bools, item by item): ``n01`` items right for the control only, ``n10`` for the treated
+    model only, ``p = binomtest(min(n01, n10), n01 + n10, 0.5)`` two-sided (1 without discordant
+    items). Returns ``{"items", "n01", "n10", "acc_control", "acc_treated", "acc_diff", "p"}``."""
+    if len(control) != len(treated) or not control:
+        raise ValueError(f"McNemar needs the same items, at least one: {len(control)} and {len(treated)} answers")
+    n01 = sum(1 for c, t in zip(control, treated) if c and not t)
+    n10 = sum(1 for c, t in zip(control, treated) if t and not c)
+    if n01 + n10 == 0:
+        p = 1.0
+    else:
+        from scipy import stats
+
+        p = float(stats.binomtest(min(n01, n10), n01 + n10, 0.5).pvalue)
+    n = len(control)
+    acc_control, acc_treated = sum(map(bool, control)) / n, sum(map(bool, treated)) / n
+    return {"items": n, "n01": n01, "n10": n10, "acc_control": acc_control, "acc_treated": acc_treated,
+            "acc_diff": acc_treated - acc_control, "p": p}
