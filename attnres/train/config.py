@@ -228,6 +228,11 @@ def parse_assignment(config: TrainConfig, assignment: str) -> tuple[str, str, ob
     section = sections[section_name]
     fields = {f.name: f for f in dataclasses.fields(section)}
     if field_name not in fields:
+        from ..streams import MODEL_OPTIONS
+
+        named = [f for f, option in MODEL_OPTIONS.items() if option.name == field_name and f != field_name]
+        if section_name == "model" and named:  # a stream's own name of the option (GR's rank)
+            raise ValueError(f"--set {key!r}: the option is written model.{named[0]}: --set model.{named[0]}={value}")
         raise ValueError(f"--set {key!r}: unknown field; {section_name} has {sorted(fields)}")
     return section_name, field_name, parse_value(value, typing.get_type_hints(type(section))[field_name], key)
 

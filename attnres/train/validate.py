@@ -148,11 +148,27 @@ def check_agreement(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
                          f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
                          f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
+    top = max_seed(r.steps)
+    if r.seed > top:
+        raise ValueError(f"run.seed={r.seed} must be an integer in [0, {top}]: each step's data seed, "
+                         f"run.seed * {DATA_SEED_STRIDE} + step, must fit in a 64-bit integer "
+                         f"(run.steps={r.steps})")
     if r.device != "auto":
         try:
             torch.device(r.device)
         except RuntimeError:
             raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
+
+
+#: the data seed of step ``step`` is ``seed * DATA_SEED_STRIDE + step`` (``data.batch_at``), a
+#: signed 64-bit integer for the generator that draws the batch
+DATA_SEED_STRIDE = 1_000_003
+
+
+def max_seed(steps: int) -> int:
+    """The largest ``run.seed`` whose data seeds, up to step ``steps``, fit in an int64: a larger
+    one passes every other check and fails at the first batch, leaving a folder no rerun can use."""
+    return (2**63 - 1 - steps) // DATA_SEED_STRIDE
 
 
 # -- 3. the pipeline -------------------------------------------------------------------------
@@ -216,6 +232,75 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
         if type(processes) is not int or processes < 1:
             raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
         check_processes(cfg, processes)
+
+
+# -- what only the user's own settings and the machine can say ------------------------------
+
+#: settings that act only under another setting's value: field -> (the other field, the values
+#: under which it acts); ``check_given`` refuses one the user gave where it does nothing
+ONLY_UNDER = {
+    "data.bpe_vocab_size": ("data.tokenizer", ("bpe",)),
+    "optim.decay_fraction": ("optim.schedule", ("wsd",)),
+    "optim.min_lr_ratio": ("optim.schedule", ("cosine", "wsd")),
+}
+
+
+def check_given(cfg: TrainConfig, given, token_files: bool = False) -> None:
+    """Refuse a setting the user gave (``given``: the ``section.field`` keys of their ``--set``)
+    that does nothing in ``cfg``: one of ``ONLY_UNDER`` without the value it acts under, and
+    ``data.val_fraction`` for a folder of token files (``token_files``: its ``val.bin`` is the
+    validation split). Defaults and a resumed run's saved values are not the user's choice now,
+    and are not checked this way."""
+    given = set(given)
+    for key, (other, values) in ONLY_UNDER.items():
+        section, name = other.split(".")
+        current = getattr(getattr(cfg, section), name)
+        if key in given and current not in values:
+            value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+            under = " or ".join(f"{other}={v}" for v in values)
+            raise ValueError(f"--set {key}={value!r} does nothing with {other}={current!r}: it applies with "
+                             f"{under}; leave it out or set that too")
+    if token_files and "data.val_fraction" in given:
+        raise ValueError(f"--set data.val_fraction={cfg.data.val_fraction!r} does nothing for a folder of token "
+                         f"files: its val.bin is the validation split; leave it out")
+
+
+def backend_problem(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why ``model``'s explicit routing backend (``model.backend``) cannot run on ``device`` with
+    ``dtype`` sources (the parameters' dtype: training keeps fp32 weights), as the backend itself
+    says (``ops.registry``: its devices, dtypes and setup); None for ``auto``, a design without
+    a backend, or one that can run."""
+    from ..ops.registry import Request, get
+
+    options = model.stream_options()
+    name = options.get("backend", "auto")
+    if name == "auto":
+        return None
+    request = Request(device.type, dtype, options.get("score", "softmax"), options.get("key_norm", True),
+                      options.get("query") == "input")
+    return get(name).problem(request)
+
+
+def check_backend(model: ModelConfig, device: torch.device, where: str = "model.backend") -> None:
+    """Refuse an explicit ``model.backend`` that cannot run on the run's ``device`` (``backend_problem``),
+    before any folder is written: it would otherwise fail at the first step."""
+    problem = backend_problem(model, device)
+    if problem:
+        raise ValueError(f"{where}={model.backend!r} cannot run on {device}: {problem}; leave it out "
+                         f"(auto picks the backend that runs there)")
+
+
+def runnable_model(model: ModelConfig, device: torch.device) -> tuple[ModelConfig, str | None]:
+    """``model`` for running on ``device``: its own backend where it can run there, else the same
+    model with ``backend="auto"`` and one line saying why (a run trained on a GPU with
+    ``backend=triton`` is still read, generated from and exported on a CPU)."""
+    import dataclasses
+
+    problem = backend_problem(model, device)
+    if problem is None:
+        return model, None
+    return (dataclasses.replace(model, backend="auto"),
+            f"the run's model.backend={model.backend!r} cannot run on {device} ({problem}); using backend=auto")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
