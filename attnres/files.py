@@ -1,8 +1,16 @@
-"""Reading the JSON a run or a comparison saved, with errors that name the file."""
+"""Reading the JSON a run or a comparison saved, with errors that name the file; a folder
+written whole or not at all (``replace_folder``: exports and conversions)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -54,3 +62,140 @@ def read_jsonl(path: Path, fields=None) -> list:
             require(row, fields(row) if isinstance(row, dict) else {}, f"{path}, line {number},")
         rows.append(row)
     return rows
+
+
+# -- a folder written whole or not at all ----------------------------------------------------
+
+#: the temporary folders beside a destination ``D``: ``.D.partial-PID-...`` (being written) and
+#: ``.D.old-PID-...`` (the old ``D`` while the new one takes its place), PID the writer's
+PARTIAL, OLD = "partial", "old"
+
+
+def pause_at(point: str) -> None:
+    """With ``ATTNRES_PAUSE_AT=POINT``, stop there: ``attnres: paused at POINT`` on stderr, then
+    wait for a signal. A test sends its signal while a folder is half written this way."""
+    if os.environ.get("ATTNRES_PAUSE_AT") == point:
+        print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
+        while True:
+            signal.pause()
+
+
+def umask() -> int:
+    """The process's umask (read without changing it where Linux says it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a new folder and file get under the user's
+    umask (755 and 644 under 022): a temporary folder is made 700 and some writers make their
+    files 600, which a serving account could not read."""
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(dst: Path) -> list[Path]:
+    """Remove the temporary folders beside ``dst`` that a writer killed without a chance to
+    clean up (SIGKILL, a power cut) left there: those whose writer's process is gone."""
+    removed = []
+    if not dst.parent.is_dir():
+        return removed
+    for entry in dst.parent.iterdir():
+        for kind in (PARTIAL, OLD):
+            prefix = f".{dst.name}.{kind}-"
+            if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink():
+                pid = entry.name[len(prefix):].split("-", 1)[0]
+                if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+    return removed
+
+
+class Terminated(SystemExit):
+    """SIGTERM while a folder is written: the command ends with status 143 once its temporary
+    folder is removed."""
+
+
+@contextmanager
+def cleaned_up_on_signals():
+    """While inside, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``Terminated`` (exit 143),
+    so that ``finally`` blocks run (a temporary folder removed) before the command exits: by
+    default SIGTERM ends the process where it stands. Only the main thread can handle signals;
+    elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated(128 + signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except Terminated:
+        print("attnres: terminated (SIGTERM); the folder being written was removed", file=sys.stderr)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def replace_folder(dst: Path, fill) -> None:
+    """``fill(folder)`` into a temporary folder beside ``dst``, renamed to ``dst`` when complete
+    (an old ``dst`` removed only then): an interrupted write leaves ``dst`` as it was, and no
+    temporary folder, whether it fails, is interrupted (SIGINT, SIGTERM) or was killed before
+    (``remove_stale``, on the next write to ``dst``). The folder written follows the user's
+    umask (``follow_umask``), as a run's folder does."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(dst)
+    tmp = None
+    with cleaned_up_on_signals():
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{PARTIAL}-{os.getpid()}-", dir=dst.parent))
+            fill(tmp)
+            follow_umask(tmp)
+            pause_at("written")
+            signals = {signal.SIGINT, signal.SIGTERM}
+            blocked = threading.current_thread() is threading.main_thread()
+            if blocked:  # the swap runs whole: no signal between taking the old dst away and the new one's rename
+                signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+            try:
+                if dst.exists():
+                    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{OLD}-{os.getpid()}-", dir=dst.parent))
+                    os.replace(dst, old / dst.name)
+                    os.replace(tmp, dst)
+                    shutil.rmtree(old)
+                else:
+                    os.replace(tmp, dst)
+            finally:
+                if blocked:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp)

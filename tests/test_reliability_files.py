@@ -216,3 +216,106 @@ def test_a_data_error_names_the_file_and_what_is_wrong(tmp_path, fault):
     line = one_line(cli_in_process("train", *TINY, "--data", data, "--run-dir", tmp_path / "run"))
     assert str(path) in line and what in line, line
     assert not (tmp_path / "run").exists()
+
+
+# -- exports and conversions -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face folder with the byte tokenizer: what convert reads."""
+    import torch
+    import transformers
+
+    from attnres.hf.tokenizer import byte_tokenizer
+
+    folder = tmp_path_factory.mktemp("source") / "llama"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _write(command, run, source, dst, *extra):
+    if command == "export":
+        return ["export", run, dst, *extra]
+    return ["convert", source, dst, "--heads", "4", "--block-layers", "1", *extra]
+
+
+def test_export_refuses_a_vocabulary_the_byte_tokenizer_does_not_cover(tmp_path):
+    """A run on token files with ``model.vocab_size=1000`` is not exported with the byte
+    tokenizer's 256 tokens (was: written beside the 1000-token model): refused naming both."""
+    data = tmp_path / "tokens"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("train.bin", "val.bin"):
+        rng.integers(0, 1000, 4000, dtype=np.uint16).tofile(data / name)
+    folder = tmp_path / "run"
+    proc = cli_in_process("train", *TINY, "--set", "run.steps=2", "--set", "model.vocab_size=1000", "--data", data,
+                          "--run-dir", folder)
+    assert proc.returncode == 0, proc.stderr
+    line = one_line(cli_in_process("export", folder, tmp_path / "out"))
+    assert "model.vocab_size=1000" in line and "256" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tokens"]
+
+
+@pytest.mark.parametrize("command, sig", [("export", signal.SIGTERM), ("convert", signal.SIGINT),
+                                          ("export", signal.SIGKILL)])
+def test_a_signal_while_writing_leaves_no_partial_folder(run, source, tmp_path, command, sig):
+    """SIGINT or SIGTERM while ``export`` or ``convert`` writes: its temporary folder is removed
+    and the command exits 130 or 143 (was: 143 and a hidden partial folder beside the output);
+    a temporary folder a SIGKILL left is removed by the next write to the same destination."""
+    dst = tmp_path / "out"
+    env = {**os.environ, "ATTNRES_PAUSE_AT": "written"}
+    proc = subprocess.Popen([sys.executable, "-m", "attnres", *map(str, _write(command, run, source, dst))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, seen = time.time() + 120, ""
+        while "paused at written" not in seen and time.time() < deadline and proc.poll() is None:
+            seen += proc.stderr.readline()
+        assert "paused at written" in seen, seen
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]  # half written
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGKILL:
+        assert len(list(tmp_path.iterdir())) == 1  # the killed write's folder
+        done = cli_in_process(*_write(command, run, source, dst))
+        assert done.returncode == 0, done.stderr
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    else:
+        assert proc.returncode == 128 + sig, proc.stderr.read()
+        assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["export", "convert"])
+def test_written_folders_follow_the_umask(run, source, tmp_path, command):
+    """An exported or converted folder gets the modes the user's umask gives (755 and 644 under
+    022), as a run folder does (was: 700 and 600, unreadable by a serving account)."""
+    previous = os.umask(0o022)
+    try:
+        proc = cli_in_process(*_write(command, run, source, tmp_path / "out"))
+    finally:
+        os.umask(previous)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o644)}, modes
+
+
+@pytest.mark.parametrize("command", ["export", "convert"])
+def test_a_destination_under_a_file_is_refused_before_any_work(run, source, tmp_path, command):
+    """``convert SRC notes.txt/model`` is refused first, naming the file in the way (was: after
+    the weights loaded, naming nothing); the source's weights are not even read."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    (src / "model.safetensors").write_bytes(b"not read")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    line = one_line(cli_in_process(*_write(command, run, src, tmp_path / "notes.txt" / "model")))
+    assert "notes.txt" in line and "is a file, not a folder" in line, line
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"

@@ -14,9 +14,7 @@ with the Auto classes when ``attnres.hf`` is imported.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from ..files import read_json
+from ..files import read_json, replace_folder
 from ..streams import DeltaAttnResStream
 from ..streams.delta import check_routing_options, converted_routing
 
@@ -246,7 +244,14 @@ def check_source_config(path: Path) -> None:
 def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     """Raise ``ValueError`` for a destination that would harm the source or another folder's
     files: the source itself, a folder inside it or around it, or (without ``overwrite``) a
-    folder that exists and is not empty."""
+    folder that exists and is not empty; a destination under a file (it could never be made:
+    refused here, not after the weights load)."""
+    for folder in dst.absolute().parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"destination {dst} lies under {folder}, which is a file, not a folder; choose "
+                                 f"another path")
+            break
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents:
         raise ValueError(f"destination {dst} is the source model's folder or inside it; choose another folder")
@@ -254,25 +259,6 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"destination {dst} holds the source model {src}; choose another folder")
     if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
         raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
-
-
-def replace_folder(dst: Path, fill) -> None:
-    """``fill(folder)`` into a temporary folder beside ``dst``, renamed to ``dst`` when complete
-    (an old ``dst`` removed only then): an interrupted write leaves ``dst`` as it was."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        fill(tmp)
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-            os.replace(dst, old / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int | list[int] = 4,

@@ -6,6 +6,9 @@ every text round-trips exactly. Byte 0 (NUL) doubles as the end-of-text and padd
 
 from __future__ import annotations
 
+#: the byte tokenizer's vocabulary: one token per byte
+BYTE_VOCAB = 256
+
 
 def byte_to_char() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters."""
@@ -24,7 +27,7 @@ def byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     table = byte_to_char()
-    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     nul = table[0]
