@@ -144,7 +144,7 @@ def test_resume_on_other_data_is_refused_naming_both(finished, tmp_path, data):
 def test_a_run_name_is_taken_literally(tmp_path):
     """``run.name`` names the folder as written (no strftime codes expanded); a name that is not
     one folder name is refused."""
-    from attnres.cli import _run_name
+    from attnres.commands import run_folder_name as _run_name
     from attnres.train.config import apply_override, tiny
 
     assert _run_name(apply_override(tiny(), "run.name=loss%d")).startswith("loss%d-")

@@ -149,7 +149,7 @@ def test_export_writes_a_sharded_run_as_a_hugging_face_folder(runs, tmp_path):
     """``attnres export`` of the pp 2 x FSDP2 2 run: a folder ``from_pretrained`` loads, with the
     checkpoint's weights, giving the run's model's logits; refused without --overwrite once
     the folder holds files."""
-    from attnres.cli import load_run
+    from attnres.commands import load_run
     from attnres.hf import AttnResForCausalLM
     from attnres.hf.export import export_run
 

@@ -46,6 +46,19 @@ def budget_label(budget: float) -> str:
     return f"{budget:g}"
 
 
+def budget_run_label(baseline: str, budget: float) -> str:
+    """The label of the baseline's run at ``budget`` times the steps: ``prenorm@x1.5`` (``@`` is
+    a character no design's label holds)."""
+    return f"{baseline}@x{budget_label(budget)}"
+
+
+def budget_run_labels(index: dict) -> dict[str, float]:
+    """A comparison's baseline runs at the larger budgets (``compare.json``'s ``budgets``):
+    label -> budget; empty without budgets."""
+    budgets = index.get("budgets") or []
+    return {budget_run_label(index.get("baseline"), b): b for b in budgets if b != 1}
+
+
 def equivalent_budget(budgets: Sequence[float], losses: Sequence[float], target: float) -> tuple[float | None, str | None]:
     """One seed: ``(m, None)``, the budget at which the baseline's monotone curve ``losses`` over
     ``budgets`` (``check_budgets``) reaches ``target``, or ``(None, "<1")`` / ``(None, ">b_k")``

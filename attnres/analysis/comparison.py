@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import read_json, read_jsonl
+from .budget import budget_run_labels, compute_equivalent
 from .stats import mean_and_sd, paired_difference
 
 
@@ -55,7 +56,8 @@ def _run_problem(index: dict, k: int, run) -> str | None:
     lacking = [key for key in ("design", "seed", "dir") if key not in run]
     if lacking:
         return f"runs[{k}] has no {lacking}"
-    if run["design"] not in index["designs"] or run["seed"] not in index["seeds"]:
+    if (run["design"] not in index["designs"] and run["design"] not in budget_run_labels(index)) \
+            or run["seed"] not in index["seeds"]:
         return (f"runs[{k}] is design {run['design']!r}, seed {run['seed']!r}: not one the "
                 "comparison lists")
     folder = run["dir"]
@@ -140,7 +142,7 @@ def run_status(root: Path, index: dict, runs: list[dict]) -> dict[tuple[str, int
     entries = {(r["design"], r["seed"]): r for r in runs}
     status = {}
     for seed in index["seeds"]:
-        for design in index["designs"]:
+        for design in [*index["designs"], *budget_run_labels(index)]:
             run, folder = entries.get((design, seed)), root / run_name(design, seed, index["seeds"])
             if run is not None:
                 steps = run.get("steps", run["config"].get("run", {}).get("steps"))
@@ -221,6 +223,34 @@ def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
     return out
 
 
+def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dict[str, list[dict]]
+                   ) -> tuple[dict, dict[str, dict]]:
+    """``results.json``'s budget numbers: ``{"budgets", "budget_runs"}`` (each of the baseline's
+    runs at a larger budget with its final loss per seed), and design -> its
+    ``compute_equivalent`` (``analysis.budget``) over the seeds whose every budget run
+    finished, in wall-clock terms with the step times ``compare`` measured (``step_times``)."""
+    budgets, baseline = index["budgets"], index["baseline"]
+    labels = budget_run_labels(index)
+    out = {"budgets": budgets, "budget_runs": {label: {"budget": b, "val_loss": final_losses(budget_runs.get(label, []))}
+                                               for label, b in labels.items()}}
+    base = final_losses(designs.get(baseline, []))
+    curves = {seed: [loss, *(out["budget_runs"][label]["val_loss"].get(seed) for label in labels)]
+              for seed, loss in base.items()}
+    curves = {seed: curve for seed, curve in curves.items() if None not in curve}
+    times = index.get("step_times") or {}
+    entries = {}
+    for name, runs in designs.items():
+        losses = {seed: loss for seed, loss in final_losses(runs).items() if seed in curves}
+        if not losses:
+            continue
+        ratio = times.get(name, {}).get("ratio")
+        entries[name] = compute_equivalent(budgets, curves, losses, ratio)
+        if name in times:
+            entries[name]["step_time_ratio"] = ratio
+            entries[name]["step_time_ratio_range"] = times[name]["ratio_range"]
+    return out, entries
+
+
 @dataclass
 class Comparison:
     """What every section of the report reads: the comparison's folder (where the figures go),
@@ -254,9 +284,17 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
     status = run_status(Path(compare_dir), index, runs)
     seeds = [s for s in index["seeds"] if all(status[d, s] is None for d in index["designs"])]
     runs = [r for r in runs if r["seed"] in seeds]
-    designs = by_design(runs)
+    extra = budget_run_labels(index)
+    designs = by_design([r for r in runs if r["design"] not in extra])
     baseline = choose_baseline(index["designs"], baseline or index.get("baseline"))
     results = comparison_results(designs, baseline) if runs else dict(baseline=baseline, designs={})
+    if index.get("budgets"):
+        finished = [r for r in runs if r["design"] in extra and status[r["design"], r["seed"]] is None]
+        numbers, multipliers = budget_results(index, designs, by_design(finished))
+        results.update(numbers)
+        for name, entry in multipliers.items():
+            results["designs"][name]["compute_equivalent"] = entry
+    runs = [r for r in runs if r["design"] not in extra]
     missing = [f"{d}, seed {s}: {text}" for (d, s), text in status.items() if text]
     results.update(complete=not missing, seeds=seeds, missing=missing)
     return Comparison(Path(compare_dir), index, runs, designs, baseline, results)

@@ -117,3 +117,35 @@ def plot_per_depth(plt, designs, key, ylabel, title, xlabel, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_budget_curve(plt, results, baseline, path):
+    """The baseline's final loss against its budget (mean over seeds, each seed faint), with
+    each design's mean final loss at budget 1 marked on the curve where it lands (its
+    compute-equivalent multiplier), or at the edge where it lies beyond the measured range."""
+    budgets = results["budgets"]
+    base = results["designs"][baseline]["val_loss"]
+    runs = results["budget_runs"]
+    labels = [label for label in runs]
+    seeds = [s for s in base if all(s in runs[label]["val_loss"] for label in labels)]
+    curves = [[base[s], *(runs[label]["val_loss"][s] for label in labels)] for s in seeds]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for curve in curves:
+        ax.plot(budgets, curve, color="C0", alpha=0.25, lw=1)
+    if curves:
+        ax.plot(budgets, [statistics.fmean(v) for v in zip(*curves)], color="C0", marker="o", label=f"{baseline}")
+    for k, (name, e) in enumerate(results["designs"].items()):
+        ce = e.get("compute_equivalent")
+        if name == baseline or ce is None:
+            continue
+        x = ce["budget"] if ce["budget"] is not None else (budgets[0] if ce["beyond"].startswith("<") else budgets[-1])
+        ax.scatter([x], [e["val_loss_mean"]], color=f"C{k + 1}", zorder=3,
+                   label=f"{name}: {x:.2f}x" if ce["budget"] is not None else f"{name}: {ce['beyond']}")
+    ax.set_xscale("log")
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.set_xlabel(f"{baseline}'s budget (multiple of the steps)")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

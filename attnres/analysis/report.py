@@ -15,7 +15,7 @@ import shlex
 # the comparison's reading is imported from here too (train/compare.py, studies/)
 from .comparison import (SUMMARY_FIELDS, Comparison, by_design, choose_baseline, comparison_results,  # noqa: F401
                          label_path, load_comparison, load_index, load_runs, metric_fields, run_name, val_curve)
-from .figures import plot_depth_weights, plot_expert_load, plot_loss_curves, plot_per_depth, pyplot
+from .figures import plot_budget_curve, plot_depth_weights, plot_expert_load, plot_loss_curves, plot_per_depth, pyplot
 
 
 def check_report_dependencies(seeds: int) -> None:
@@ -200,6 +200,43 @@ def _loss_section(c: Comparison, plt) -> list[str]:
     ]
 
 
+def _fmt_interval(low_high) -> str:
+    return "" if low_high is None else f"[{low_high[0]:.2f}, {low_high[1]:.2f}]"
+
+
+def _budget_section(c: Comparison, plt) -> list[str]:
+    """With ``--budgets``: each design's compute-equivalent multiplier (``analysis.budget``) and
+    the baseline's final loss against budget with each design marked where it lands
+    (``budget.png``)."""
+    budgets = c.results.get("budgets")
+    if not budgets or len(budgets) < 2:
+        return []
+    base = c.index["baseline"]
+    plot_budget_curve(plt, c.results, base, c.root / "budget.png")
+    lines = ["## Compute-equivalent multiplier", "",
+             f"{base} also trained at {', '.join(f'{b:g}' for b in budgets)} times the budget (its runs "
+             f"`{base}@x<multiple>`, out of the table above). A design's multiplier is the budget at which "
+             f"{base}'s final loss reaches the design's, interpolated in log budget per seed; the geometric mean "
+             "over seeds with a 95% Student-t interval on the log scale (`attnres/analysis/budget.py`). In wall-clock "
+             "terms each budget is scaled by the design's step time relative to the baseline's, timed interleaved "
+             "before training; those figures hold only on a quiet machine.", "",
+             "| design | multiplier | 95% interval | in wall-clock terms | 95% interval | step time vs baseline |",
+             "|---|---|---|---|---|---|"]
+    for name, e in c.results["designs"].items():
+        ce = e.get("compute_equivalent")
+        if ce is None:
+            continue
+        ratio = ce.get("step_time_ratio")
+        step = "" if ratio is None else f"{ratio:.3f} ({ce['step_time_ratio_range'][0]:.3f}..{ce['step_time_ratio_range'][1]:.3f})"
+        if ce["budget"] is None:
+            lines.append(f"| {name} | beyond the range ({ce['beyond']}) | | | | {step} |")
+            continue
+        time = "" if ce["time"] is None else f"{ce['time']:.3f}"
+        lines.append(f"| {name} | {ce['budget']:.3f} | {_fmt_interval(ce['ci95'])} | {time} | "
+                     f"{_fmt_interval(ce['time_ci95'])} | {step} |")
+    return [*lines, "", "![final loss against budget](budget.png)", ""]
+
+
 def _depth_weights_section(c: Comparison, plt) -> list[str]:
     """One heatmap of depth weights per design that routes over depth."""
     heat = [(n, rs[0]["analysis"]) for n, rs in c.designs.items() if rs[0]["analysis"] and rs[0]["analysis"]["depth_weights"]]
@@ -290,7 +327,7 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     if not c.runs:  # no seed finished by every design
         lines = ["# Residual designs compared", "", *_incomplete_section(c)]
     else:
-        lines = [*_header(c), *_options_section(c), *_loss_section(c, plt),
+        lines = [*_header(c), *_options_section(c), *_loss_section(c, plt), *_budget_section(c, plt),
                  *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
                  *_depth_growth_section(c, plt), *_width_probe_section(c)]
     (c.root / "results.json").write_text(json.dumps(c.results, indent=2))

@@ -3,6 +3,15 @@
 A signal stops a comparison, not only its current run: the run's checkpoint is saved, no other
 run starts, ``compare.json`` says ``"complete": false`` with the steps each run reached, and
 ``resume_comparison`` (``attnres compare --resume``) continues it where it stopped.
+
+With ``budgets`` (``attnres compare --budgets 1 1.5 2 3``) the baseline also trains at each
+multiple of the budget (``run.steps`` times it, rounded to the nearest step; warmup unchanged,
+the schedule's decay stretched over the new length, evaluations every ``run.eval_every`` steps
+as before, so at the same token counts), as runs labelled ``<baseline>@x<multiple>``
+(``analysis.budget.budget_run_label``) that stay out of the paired table; before training, each
+design's step is timed against the baseline's (``step_times``). The report places each design
+on the baseline's loss-against-budget curve: its compute-equivalent multiplier
+(``analysis/budget.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..analysis.budget import budget_run_label, check_budgets
 from ..analysis.capture import capture_analysis
 from ..analysis.report import (check_report_dependencies, choose_baseline, label_path, load_index, run_name,
                                write_report)
@@ -32,6 +42,7 @@ from .data import batch_at, load_corpus
 from .lock import FolderLock
 from .run_dir import RUN_FILES
 from .signals import Signals, exit_status
+from .step_times import STEP_TIME_ROUNDS, time_steps
 from .trainer import EVAL_SEED, train
 from .distributed import pick_device
 from .validate import check_backend, check_run, max_seed
@@ -196,16 +207,31 @@ class Plan:
     configs: dict[str, ModelConfig]
     #: a design whose settings are another's, written differently -> that design (an A/A control)
     repeats: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the budgets the baseline also trains at (multiples of ``run.steps``; 1 first), or None
+    budgets: list[float] | None = None
+
+    @property
+    def budget_runs(self) -> dict[str, float]:
+        """The baseline's runs at the larger budgets: label -> multiple."""
+        return {budget_run_label(self.baseline, b): b for b in self.budgets or () if b != 1}
+
+    @property
+    def labels(self) -> list[str]:
+        """Every run's label, seed by seed in this order: the designs, then the budget runs."""
+        return [*self.designs, *self.budget_runs]
 
     def run_config(self, label: str, seed: int) -> TrainConfig:
-        return dataclasses.replace(self.base, model=self.configs[label],
-                                   run=dataclasses.replace(self.base.run, seed=seed))
+        budget = self.budget_runs.get(label, 1)
+        model = self.configs[self.baseline if label in self.budget_runs else label]
+        steps = max(1, round(self.base.run.steps * budget))
+        return dataclasses.replace(self.base, model=model, run=dataclasses.replace(self.base.run, seed=seed, steps=steps))
 
 
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
-                    baseline: str | None) -> Plan:
+                    baseline: str | None, budgets=None) -> Plan:
     """Every setting of a comparison checked before any work (``compare``'s arguments)."""
     check_run(base)
+    budgets = None if budgets is None else check_budgets(budgets)
     designs, seeds = list(designs), list(seeds)
     for name, values in (("designs", designs), ("seeds", seeds)):
         if not values or len(set(values)) != len(values):
@@ -233,7 +259,10 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         same = next((other for other in configs if other != label and configs[other] == configs[label]), None)
         if same is not None:
             repeats[label] = same
-    return Plan(base, designs, seeds, baseline, options, configs, repeats)
+    plan = Plan(base, designs, seeds, baseline, options, configs, repeats, budgets)
+    for label in plan.budget_runs:  # a longer run's seeds must still fit (max_seed)
+        check_run(plan.run_config(label, max(seeds)))
+    return plan
 
 
 def new_folder(parent: Path, stem: str) -> Path:
@@ -278,20 +307,25 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
 
 def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
                    out_dir: str | Path = "runs", log=print, overrides: dict | None = None,
-                   baseline: str | None = None,
-                   command: list[str] | None = None) -> ComparisonOutcome:
+                   baseline: str | None = None, command: list[str] | None = None, budgets=None,
+                   root: Path | None = None) -> ComparisonOutcome:
     """``compare``, returning its report and the signal that stopped it. ``compare.json`` is
     written before the first run (``"complete": false`` until every run finished) and after
     each; it holds what ``resume_comparison`` needs to continue: the shared config, the residual
-    options given, and per run the steps planned and done."""
+    options given, the budgets, and per run the steps planned and done. ``budgets``: the
+    multiples of the budget the baseline also trains at (the module's docstring); ``root``: the
+    comparison's folder (made here; default a new ``out_dir/compare-<timestamp>``)."""
     overrides = overrides or {}
-    plan = plan_comparison(base, designs, seeds, overrides, baseline)
+    plan = plan_comparison(base, designs, seeds, overrides, baseline, budgets)
     for label, same in plan.repeats.items():
         log(f"design {label!r} has the settings of {same!r}: it repeats that design (an A/A control)")
-    root = new_folder(Path(out_dir), time.strftime("compare-%Y%m%d-%H%M%S"))
+    if root is None:
+        root = new_folder(Path(out_dir), time.strftime("compare-%Y%m%d-%H%M%S"))
+    else:
+        root.mkdir(parents=True)
     index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
              "baseline": plan.baseline, "command": command, "steps": base.run.steps,
-             "config": to_dict(base), "overrides": overrides, "runs": []}
+             "config": to_dict(base), "overrides": overrides, "budgets": plan.budgets, "runs": []}
     write_index(root, index)
     return train_designs(root, plan, index, log)
 
@@ -315,7 +349,7 @@ def resume_comparison(root: str | Path, log=print) -> ComparisonOutcome:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
     plan = plan_comparison(base, index["designs"], index["seeds"], index["overrides"],
-                           index.get("baseline"))
+                           index.get("baseline"), index.get("budgets"))
     if _all_finished(index, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")
@@ -339,7 +373,7 @@ def _finished(index: dict, label: str, seed: int) -> bool:
 
 
 def _all_finished(index: dict, plan: Plan) -> bool:
-    pairs = itertools.product(plan.seeds, plan.designs)
+    pairs = itertools.product(plan.seeds, plan.labels)
     return all(_finished(index, label, seed) for seed, label in pairs)
 
 
@@ -359,7 +393,12 @@ def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome
     start, spent = time.time(), index.get("wall_time_s", 0.0)
     with Signals() as signals:
         corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
-        for seed, label in itertools.product(plan.seeds, plan.designs):
+        if plan.budget_runs and "step_times" not in index:
+            log(f"timing each design's step against {plan.baseline}'s ({STEP_TIME_ROUNDS} rounds, part of no run)")
+            configs = {label: plan.run_config(label, plan.seeds[0]) for label in plan.designs}
+            index["step_times"] = time_steps(configs, plan.baseline, corpus, root / ".step-times")
+            write_index(root, index)
+        for seed, label in itertools.product(plan.seeds, plan.labels):
             if signals.received is not None:
                 break
             if _finished(index, label, seed):
@@ -432,8 +471,11 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
             torch.compiler.reset()
         result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over")
         model, summary = result.model, result.summary
-    entry = {"design": label, "seed": seed, "dir": name, "options": plan.options[label],
-             "steps": steps, "steps_done": summary["steps"]}
+    budget = plan.budget_runs.get(label)
+    entry = {"design": label, "seed": seed, "dir": name,
+             "options": plan.options[plan.baseline if budget else label], "steps": steps, "steps_done": summary["steps"]}
+    if budget:
+        entry["budget"] = budget
     if summary["steps"] < steps:
         log(f"{name} stopped at step {summary['steps']} of {steps}, its checkpoint saved")
         return entry

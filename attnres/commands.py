@@ -1,0 +1,301 @@
+"""What each ``attnres`` subcommand does, given its parsed arguments (``cli.build_parser``):
+``cmd_compare``, ``cmd_sweep``, ``cmd_train``, ``cmd_generate``, ``cmd_report``, ``cmd_convert``,
+``cmd_export``, ``cmd_eval``, ``cmd_serve``. Each imports what it runs on (PyTorch among it)
+inside itself: the command line loads them only once a command runs (``cli.main``), so that
+its help and its refusals of bad arguments answer at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def config_from_args(args, assignments=None, base=None):
+    """The preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
+    assignments (or ``assignments``) applied together: checked as one whole, so their order
+    never matters, and a setting that would not be applied is refused."""
+    from .train.config import apply_overrides, preset
+    from .train.validate import check_given, check_run
+
+    cfg = base or preset(args.preset)
+    if assignments is None:
+        assignments = args.set or []
+    given = ([f"data.source={args.data}"] if args.data else []) + list(assignments)
+    cfg = apply_overrides(cfg, given)
+    keys = {a.partition("=")[0].strip() for a in given}
+    source = Path(cfg.data.source).expanduser()
+    token_files = (source / "train.bin").is_file()
+    if "model.vocab_size" in keys and not token_files:
+        raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
+                         f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
+                         f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
+    check_run(cfg)
+    check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not
+    return cfg
+
+
+def run_folder_name(cfg) -> str:
+    """The run's folder name: ``run.name`` (or the residual kind) taken literally, then a
+    timestamp; a name that is not one folder name is refused."""
+    import time
+
+    name = cfg.run.name or cfg.model.residual
+    if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name.startswith("-"):
+        raise ValueError(f"run.name={name!r} must be one folder name: no '/', not '.' or '..', not starting "
+                         f"with '-'")
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+#: what sets a comparison (or a sweep) up: with --resume its own settings are used instead
+COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets")
+SWEEP_SETTINGS = (*COMPARE_SETTINGS, "--over")
+
+
+def given_settings(argv, options=COMPARE_SETTINGS) -> list[str]:
+    """The ``options`` (default: ``COMPARE_SETTINGS``) on a command line (as argparse reads them:
+    a long option or a prefix of one, alone or with ``=VALUE``)."""
+    given = set()
+    for word in argv:
+        name = word.partition("=")[0]
+        if name.startswith("--") and len(name) > 2:
+            given.update(option for option in options if option.startswith(name))
+    return [option for option in options if option in given]
+
+
+def comparison_settings(args):
+    """``(config, designs, seeds, overrides)`` of a comparison or sweep's arguments: ``--set``'s
+    residual options go to the designs that take them, the rest to the shared config; the seeds
+    are ``--seeds``' (``--set run.seed`` refused in their favour)."""
+    from .train.compare import comparison_choice, split_residual_overrides
+
+    seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
+    if seeds:
+        raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
+                         f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
+    shared, overrides = split_residual_overrides(args.set or [])
+    cfg = config_from_args(args, shared)
+    designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
+    return cfg, designs, seeds, overrides
+
+
+def cmd_compare(args) -> int:
+    from .train.compare import resume_comparison, run_comparison
+
+    if args.resume:
+        given = given_settings(args.argv[1:])
+        if given:
+            raise ValueError("--resume continues the comparison with the settings it was started "
+                             f"with; leave out {' '.join(given)}")
+        outcome = resume_comparison(Path(args.resume))
+    else:
+        cfg, designs, seeds, overrides = comparison_settings(args)
+        outcome = run_comparison(cfg, designs=designs, seeds=seeds, out_dir=args.out,
+                                 overrides=overrides, baseline=args.baseline,
+                                 command=["attnres", *args.argv], budgets=args.budgets)
+    print(outcome.report)
+    return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
+
+
+def cmd_sweep(args) -> int:
+    from .train.signals import exit_status
+    from .train.sweep import Sweep, parse_over, resume_sweep, run_sweep
+
+    if args.resume:
+        given = given_settings(args.argv[1:], SWEEP_SETTINGS)
+        if given:
+            raise ValueError(f"--resume continues the sweep with the settings it was started with; leave out "
+                             f"{' '.join(given)}")
+        root, signal = resume_sweep(Path(args.resume))
+    else:
+        fields = parse_over(args.over or [])
+        cfg, designs, seeds, overrides = comparison_settings(args)
+        sweep = Sweep(cfg, fields, designs, seeds, overrides, args.baseline, args.budgets, ["attnres", *args.argv])
+        root, signal = run_sweep(sweep, args.out)
+    if signal is not None:
+        print(f"stopped: the sweep is incomplete; continue it with: attnres sweep --resume {root}", file=sys.stderr)
+    print(root / "sweep.json")
+    return exit_status(signal)
+
+
+def resumed_layout(saved, assignments):
+    """A resumed run's saved config with its pipeline settings dropped (back to their defaults)
+    when ``--set run.pp_size=N`` gives it another pipeline size: the ``run.pp_*`` settings that
+    apply are then those given with it. The saved size given again changes nothing."""
+    import dataclasses
+
+    from .train.config import RunConfig, apply_overrides
+
+    given = {a.partition("=")[0].strip() for a in assignments}
+    sizes = [a for a in assignments if a.partition("=")[0].strip() == "run.pp_size"]
+    if not sizes or apply_overrides(saved, sizes).run.pp_size == saved.run.pp_size:
+        return saved
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)
+                if f.name.startswith("pp_") and f"run.{f.name}" not in given}
+    return dataclasses.replace(saved, run=dataclasses.replace(saved.run, **defaults))
+
+
+def cmd_train(args) -> int:
+    from .train.trainer import train
+
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --run-dir and --overwrite starts it over: give one")
+    if args.resume:
+        if not args.run_dir:
+            raise ValueError("--resume continues the run in --run-dir: give its folder")
+        if given_settings(args.argv[1:], ("--preset",)):
+            raise ValueError("--resume continues the run with the settings it was started with; leave out "
+                             "--preset (--set changes one of them, e.g. --set run.steps=2000)")
+        from .train.run_dir import load_run_config
+
+        run_dir = Path(args.run_dir)
+        # the saved settings, with --set (e.g. run.steps=2000 to train further, or another
+        # layout) and --data (refused by train unless it is the run's own) applied
+        cfg = config_from_args(args, base=resumed_layout(load_run_config(run_dir), args.set or []))
+    else:
+        cfg = config_from_args(args)
+        run_dir = Path(args.run_dir) if args.run_dir else None
+    made = None
+    if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # under torchrun every rank names the folder alike: --run-dir avoids a shared second
+        run_dir = Path(cfg.run.out_dir) / run_folder_name(cfg)
+    elif run_dir is None:  # a default name, made here so that no other command takes it too
+        from .train.compare import new_folder
+
+        parent = Path(cfg.run.out_dir)
+        made = [p for p in (parent, *parent.parents) if not p.exists()]  # rmdir'ed in this order
+        run_dir = new_folder(parent, run_folder_name(cfg))
+        made.insert(0, run_dir)
+    try:
+        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
+    except BaseException:
+        # refused before its first step: the folders made for it go too (rmdir: only when empty)
+        with contextlib.suppress(OSError):
+            for folder in made or ():
+                folder.rmdir()
+        raise
+    from .train import distributed
+
+    distributed.teardown()
+    if rank() == 0:  # under torchrun, one line for the job
+        s = result.summary
+        status = "interrupted, checkpoint saved" if result.interrupted else "done"
+        print(f"{status}: step {s['steps']}, validation loss {s['final_val_loss']}, {s['tokens_per_s']:.0f} tokens/s")
+        print(run_dir)
+    return result.exit_code  # 130 after SIGINT, 143 after SIGTERM: `train && next` stops
+
+
+def load_run(run_dir: Path, command: str = "attnres generate"):
+    """The model of a training run folder, with its latest checkpoint's weights (every file
+    checked: the config, ``latest``, the checkpoint's files against the config's model), on the
+    CPU: a backend the run chose that cannot run there gives way to ``auto``, in one line."""
+    import torch
+
+    from .model import Transformer
+    from .train.checkpoint import latest_checkpoint, load_checkpoint
+    from .train.run_dir import load_run_config
+    from .train.validate import runnable_model
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise ValueError(f"{run_dir} has no checkpoint")
+    weights, _ = load_checkpoint(ckpt, cfg.model)
+    model_config, note = runnable_model(cfg.model, torch.device("cpu"))
+    if note:
+        print(f"{command}: {note}", file=sys.stderr)
+    model = Transformer(model_config)
+    model.load_state_dict(weights)
+    return model.eval(), cfg
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character to continue")
+    model, cfg = load_run(Path(args.run_dir))
+    if cfg.data.tokenizer != "byte":
+        raise ValueError("generate reads byte-level runs; this run used a BPE tokenizer")
+    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
+    g = torch.Generator().manual_seed(args.seed)
+    out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=g)
+    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .analysis.report import write_report
+
+    print(write_report(Path(args.run_dir), baseline=args.baseline))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .hf import convert_checkpoint
+
+    info = convert_checkpoint(args.src, args.dst, heads=args.heads, block_layers=args.block_layers,
+                              overwrite=args.overwrite)
+    share = 100 * info["added_parameters"] / info["base_parameters"]
+    print(f"converted to {info['model_type']}: added {info['added_parameters']:,} routing parameters "
+          f"({share:.4f}% of {info['base_parameters']:,}); saved to {args.dst}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .hf.export import export_run
+
+    info = export_run(args.run_dir, args.out, overwrite=args.overwrite)
+    print(f"exported step {info['step']} ({info['parameters']:,} parameters) of {args.run_dir} to {args.out}")
+    return 0
+
+
+def check_eval_folder(model_dir) -> None:
+    """``attnres eval``'s folder, read before lm-eval and transformers load (seconds): a folder
+    with a ``config.json`` of a saved model; a training run's folder is pointed to ``attnres
+    export``, which writes the folder eval reads."""
+    from .files import read_json
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a folder: give a saved model's folder (attnres export or attnres convert)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{path} is not a saved model folder (config.json missing)")
+    value = read_json(config)
+    if isinstance(value, dict) and {"model", "data", "optim", "run"} <= set(value):
+        raise ValueError(f"{path} is a training run's folder; `attnres export {path} OUT` writes its latest "
+                         f"checkpoint as the model folder that eval reads")
+
+
+def cmd_eval(args) -> int:
+    if args.limit is not None and not args.limit > 0:
+        raise ValueError(f"limit={args.limit} must be a positive number of examples per task, a fraction in (0, 1) "
+                         f"of them, or None for all")
+    if args.batch_size < 1:
+        raise ValueError(f"batch_size={args.batch_size} must be >= 1")
+    check_eval_folder(args.model_dir)  # all before lm-eval and transformers load
+    from .hf.evaluate import evaluate
+
+    results = evaluate(args.model_dir, args.tasks, include_path=args.include_path, limit=args.limit,
+                       device=args.device, batch_size=args.batch_size)
+    print(json.dumps(results["results"], indent=2, default=str))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .serving.server import serve
+
+    serve(Path(args.model_dir), args.host, args.port, args.kv_cache_gib)
+    return 0  # not reached: vLLM's server replaces this process
+
+

@@ -1,0 +1,237 @@
+"""A sweep: one comparison per point of a ladder, e.g. the same designs and seeds at
+``model.n_layers`` 4, 8, 16 and 32, into one parent folder, summarized in ``sweep.json`` and a
+figure of each design's gap to the baseline against the swept value.
+
+``--over FIELD=V1,V2,...`` names a field and its values; several ``--over`` are zipped by
+position (``--over model.dim=48,96,192 --over model.n_heads=2,4,8`` is three points). The swept
+fields change the shared config of a point's comparison, never a design's own options: within a
+point every design has the same sizes, budget and data (the comparison's guarantee), and only
+the swept fields differ between points.
+
+The parent folder holds ``sweep.json`` (written before the first point and after each: the
+settings, each point's values and folder, ``"complete"``) and one comparison folder per point
+(``point-0``, ...), each an ordinary comparison that ``attnres report`` reads. A signal stops the
+sweep as it stops a comparison; ``resume_sweep`` (``attnres sweep --resume``) continues it: a
+finished point is kept, an unfinished one resumes its comparison, the others start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..analysis.comparison import load_index
+from ..analysis.stats import mean_and_sd
+from ..streams import MODEL_OPTIONS
+from .compare import new_folder, plan_comparison, resume_comparison, run_comparison
+from .config import TrainConfig, apply_overrides, from_dict, to_dict
+
+SWEEP_FILE = "sweep.json"
+#: fields that are a design's, not the comparison's: a sweep over them would change designs within a point
+NOT_SWEPT = ("model.residual", *(f"model.{name}" for name in MODEL_OPTIONS))
+
+
+def parse_over(over: list[str]) -> dict[str, list[str]]:
+    """``["model.dim=48,96", "model.n_heads=2,4"]`` -> ``{"model.dim": ["48", "96"], ...}``: each
+    field once, each with the same number (at least one) of values, none a design's option."""
+    fields: dict[str, list[str]] = {}
+    for item in over:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or "." not in key or not values.strip():
+            raise ValueError(f"--over {item!r}: give SECTION.FIELD=V1,V2,... (e.g. model.n_layers=4,8,16)")
+        if key in fields:
+            raise ValueError(f"--over names {key} twice: give each field once, its values comma-separated")
+        if key in NOT_SWEPT:
+            raise ValueError(f"--over {key}: a residual option is a design's own setting; a sweep changes what every "
+                             f"design of a point shares (sizes, steps, data). Give the designs options instead "
+                             f"(e.g. block:block_size=4)")
+        fields[key] = [v.strip() for v in values.split(",")]
+        if any(not v for v in fields[key]):
+            raise ValueError(f"--over {item!r}: an empty value")
+    if not fields:
+        raise ValueError("attnres sweep needs at least one --over SECTION.FIELD=V1,V2,...")
+    counts = {key: len(values) for key, values in fields.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"--over fields are zipped by position and must have as many values each: {counts}")
+    return fields
+
+
+def sweep_points(fields: dict[str, list[str]]) -> list[dict[str, str]]:
+    """The points of zipped ``fields``: ``[{field: value, ...}, ...]``."""
+    n = len(next(iter(fields.values())))
+    return [{key: values[k] for key, values in fields.items()} for k in range(n)]
+
+
+def point_config(base: TrainConfig, point: dict[str, str]) -> TrainConfig:
+    """``base`` with a point's values applied (as ``--set`` applies them)."""
+    return apply_overrides(base, [f"{key}={value}" for key, value in point.items()])
+
+
+@dataclass
+class Sweep:
+    """A sweep's settings, as ``sweep.json`` keeps them for ``--resume``."""
+
+    base: TrainConfig
+    fields: dict[str, list[str]]
+    designs: list[str]
+    seeds: list[int]
+    overrides: dict
+    baseline: str | None
+    budgets: list[float] | None
+    command: list[str] | None
+
+    def index(self) -> dict:
+        return {"complete": False, "over": self.fields, "designs": self.designs, "seeds": self.seeds,
+                "baseline": self.baseline, "budgets": self.budgets, "command": self.command,
+                "config": to_dict(self.base), "overrides": self.overrides,
+                "points": [{"values": point, "dir": f"point-{k}"} for k, point in enumerate(sweep_points(self.fields))]}
+
+
+def write_sweep_index(root: Path, index: dict) -> None:
+    """``sweep.json``, replaced atomically."""
+    tmp = root / f".{SWEEP_FILE}.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, root / SWEEP_FILE)
+
+
+def check_sweep(sweep: Sweep) -> None:
+    """Every point's config checked before any work: each point's values must apply (a field that
+    exists, a value of its type) and give a comparison the designs can run."""
+    for point in sweep_points(sweep.fields):
+        try:
+            plan_comparison(point_config(sweep.base, point), sweep.designs, sweep.seeds, sweep.overrides,
+                            sweep.baseline, sweep.budgets)
+        except ValueError as err:
+            where = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise ValueError(f"sweep point {where}: {err}") from None
+
+
+def run_sweep(sweep: Sweep, out_dir: str | Path = "runs", log=print) -> tuple[Path, int | None]:
+    """Every point's comparison into ``out_dir/sweep-<timestamp>/``; returns the folder and the
+    signal that stopped it (None when every point finished)."""
+    check_sweep(sweep)
+    root = new_folder(Path(out_dir), time.strftime("sweep-%Y%m%d-%H%M%S"))
+    index = sweep.index()
+    write_sweep_index(root, index)
+    return root, _run_points(root, sweep, index, log)
+
+
+def load_sweep(root: Path) -> tuple[Sweep, dict]:
+    """The sweep that ``root/sweep.json`` describes, and the index itself."""
+    path = Path(root) / SWEEP_FILE
+    if not path.is_file():
+        raise ValueError(f"{root} is not a sweep: {SWEEP_FILE} is missing")
+    try:
+        index = json.loads(path.read_text())
+        sweep = Sweep(from_dict(index["config"]), {k: list(v) for k, v in index["over"].items()},
+                      list(index["designs"]), list(index["seeds"]), dict(index["overrides"]), index["baseline"],
+                      index["budgets"], index.get("command"))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as err:
+        raise ValueError(f"{path} is not a sweep's index ({err}); was it edited by hand?") from None
+    if [p["values"] for p in index.get("points", [])] != sweep_points(sweep.fields):
+        raise ValueError(f"{path}: its points do not follow its 'over'; was it edited by hand?")
+    return sweep, index
+
+
+def resume_sweep(root: str | Path, log=print) -> tuple[Path, int | None]:
+    """Continue the sweep in ``root`` with its own settings: finished points are kept, an
+    unfinished point's comparison resumes, the others start."""
+    root = Path(root)
+    sweep, index = load_sweep(root)
+    if index.get("complete"):
+        raise ValueError(f"the sweep in {root} is complete: nothing to resume")
+    check_sweep(sweep)
+    return root, _run_points(root, sweep, index, log)
+
+
+def _point_state(point_dir: Path) -> str:
+    """``"new"`` (nothing there), ``"complete"`` or ``"started"`` (a comparison to resume)."""
+    if not (point_dir / "compare.json").is_file():
+        return "new"
+    return "complete" if load_index(point_dir).get("complete") else "started"
+
+
+def _run_points(root: Path, sweep: Sweep, index: dict, log) -> int | None:
+    for entry in index["points"]:
+        point_dir = root / entry["dir"]
+        state = _point_state(point_dir)
+        if state == "complete":
+            continue
+        where = ", ".join(f"{k}={v}" for k, v in entry["values"].items())
+        log(f"sweep point {where}")
+        if state == "started":
+            outcome = resume_comparison(point_dir, log)
+        else:
+            if point_dir.exists():  # a point stopped before its comparison wrote its index
+                leftovers = sorted(p.name for p in point_dir.iterdir())
+                if leftovers:
+                    raise ValueError(f"{point_dir} holds {leftovers[:3]} but no compare.json: move them away to "
+                                     f"rerun the point")
+                point_dir.rmdir()
+            outcome = run_comparison(point_config(sweep.base, entry["values"]), sweep.designs, sweep.seeds,
+                                     log=log, overrides=sweep.overrides, baseline=sweep.baseline,
+                                     command=sweep.command, root=point_dir, budgets=sweep.budgets)
+        if outcome.signal is not None:
+            return outcome.signal
+    index["complete"] = True
+    index["summary"] = summarize_sweep(root, index)
+    write_sweep_index(root, index)
+    draw_sweep(root, index)
+    return None
+
+
+def summarize_sweep(root: Path, index: dict) -> list[dict]:
+    """Per point: its values, and per design its final loss (mean and sd over seeds), its gap to
+    the baseline with the paired interval, and its compute-equivalent multiplier where the
+    comparison measured one (``results.json`` of the point's comparison)."""
+    summary = []
+    for entry in index["points"]:
+        results = json.loads((root / entry["dir"] / "results.json").read_text())
+        designs = {}
+        for name, e in results["designs"].items():
+            losses = [v for v in e["val_loss"].values() if v is not None]
+            mean, sd = mean_and_sd(losses) if losses else (None, None)
+            designs[name] = {"final_loss": mean, "final_loss_sd": sd, "gap": e.get("diff_mean"),
+                             "ci95": e.get("ci95"), "verdict": e.get("verdict")}
+            if "compute_equivalent" in e:
+                designs[name]["compute_equivalent"] = e["compute_equivalent"]
+        summary.append({"values": entry["values"], "dir": entry["dir"], "baseline": results["baseline"],
+                        "designs": designs})
+    return summary
+
+
+def draw_sweep(root: Path, index: dict) -> Path:
+    """``sweep.png``: each design's gap to the baseline (final loss, nats) against the swept value
+    (the first ``--over`` field), with its paired 95% interval."""
+    from ..analysis.figures import pyplot
+
+    plt = pyplot()
+    field = next(iter(index["over"]))
+    xs = list(range(len(index["summary"])))
+    labels = [p["values"][field] for p in index["summary"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    baseline = index["summary"][0]["baseline"]
+    names = [d for d in index["summary"][0]["designs"] if d != baseline]
+    width = 0.6 / max(1, len(names))
+    for k, name in enumerate(names):
+        offset = (k - (len(names) - 1) / 2) * width
+        gaps = [p["designs"][name]["gap"] for p in index["summary"]]
+        cis = [p["designs"][name]["ci95"] for p in index["summary"]]
+        err = [[g - c[0] if c else 0 for g, c in zip(gaps, cis)], [c[1] - g if c else 0 for g, c in zip(gaps, cis)]]
+        ax.errorbar([x + offset for x in xs], gaps, yerr=err, marker="o", ms=4, capsize=3, label=name,
+                    color=f"C{k + 1}")
+    ax.axhline(0, color="C0", lw=1, label=baseline)
+    ax.set_xticks(xs, labels)
+    ax.set_xlabel(field)
+    ax.set_ylabel(f"final loss - {baseline} (nats/token)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = root / "sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

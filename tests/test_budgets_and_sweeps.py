@@ -1,0 +1,104 @@
+"""``attnres compare --budgets``: the baseline at several budgets and each design's
+compute-equivalent multiplier; ``attnres sweep``: one comparison per point of a ladder."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import cli_in_process
+
+TINY = ["--preset", "tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
+
+
+@pytest.mark.xdist_group("budget_comparison")
+def test_compare_with_budgets_places_each_design_on_the_baselines_curve(tmp_path):
+    out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", "prenorm:norm_eps_scale=absolute",
+                         "--budgets", "1", "2", "--seeds", "0", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    root = next(tmp_path.glob("compare-*"))
+    results = json.loads((root / "results.json").read_text())
+    assert results["budgets"] == [1.0, 2.0]
+    runs = results["budget_runs"]
+    assert list(runs) == ["prenorm@x2"] and runs["prenorm@x2"]["budget"] == 2.0
+    assert sorted(runs["prenorm@x2"]["val_loss"]) == ["0", "1"]
+    summary = json.loads((root / "prenorm@x2-seed0" / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["tokens"] == 2 * 8 * 4 * 32  # twice the steps, same batch
+    # the budget run stays out of the paired table; every design gets its multiplier (or a side)
+    assert set(results["designs"]) == {"prenorm", "block", "prenorm:norm_eps_scale=absolute"}
+    assert results["designs"]["prenorm"]["compute_equivalent"]["budget"] == 1.0
+    assert results["designs"]["prenorm:norm_eps_scale=absolute"]["compute_equivalent"]["budget"] == 1.0
+    block = results["designs"]["block"]["compute_equivalent"]
+    assert (block["budget"] is None) == ("beyond" in block)
+    assert block["step_time_ratio"] > 0
+    assert block["time"] is None if block["budget"] is None else block["time"] == block["budget"] / block["step_time_ratio"]
+    index = json.loads((root / "compare.json").read_text())
+    assert index["budgets"] == [1.0, 2.0] and index["step_times"]["prenorm"]["ratio"] == 1.0
+    assert len(index["step_times"]["block"]["seconds"]) == index["step_times"]["block"]["rounds"]
+    report = (root / "report.md").read_text()
+    assert "## Compute-equivalent multiplier" in report and (root / "budget.png").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budgets", "1.5", "2"], "the list must start at 1"),
+    (["--budgets", "1", "3", "2"], "ascend strictly"),
+])
+def test_bad_budgets_are_refused_before_any_work(tmp_path, args, message):
+    out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", *args, "--out", str(tmp_path))
+    assert out.returncode == 2 and message in out.stderr and not any(tmp_path.iterdir())
+
+
+def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path):
+    out = cli_in_process("sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm", "block",
+                         "--seeds", "0", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    root = next(tmp_path.glob("sweep-*"))
+    index = json.loads((root / "sweep.json").read_text())
+    assert index["complete"] and [p["values"] for p in index["points"]] == [{"model.n_layers": "2"},
+                                                                          {"model.n_layers": "3"}]
+    for point, layers in zip(index["summary"], (2, 3)):
+        config = json.loads((root / point["dir"] / "block-seed0" / "config.json").read_text())
+        assert config["model"]["n_layers"] == layers
+        block = point["designs"]["block"]
+        results = json.loads((root / point["dir"] / "results.json").read_text())["designs"]["block"]
+        assert block["gap"] == results["diff_mean"] and block["ci95"] == results["ci95"]
+    assert (root / "sweep.png").is_file()
+
+
+@pytest.mark.parametrize("over,message", [
+    (["--over", "model.n_layers=2,3", "--over", "model.dim=32"], "zipped by position"),
+    (["--over", "model.block_size=2,4"], "a residual option is a design's own setting"),
+    (["--over", "model.n_layers"], "give SECTION.FIELD=V1,V2"),
+    ([], "needs at least one --over"),
+    (["--over", "model.n_layers=2,x"], "model.n_layers"),
+])
+def test_a_sweep_refuses_bad_points_before_any_work(tmp_path, over, message):
+    out = cli_in_process("sweep", *over, *TINY, "--designs", "prenorm", "block", "--out", str(tmp_path))
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_a_signal_resumes_where_it_stopped(tmp_path):
+    cmd = [sys.executable, "-m", "attnres", "sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm",
+           "block", "--seeds", "0", "1", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # the first point's comparison finished
+        done = list(tmp_path.glob("sweep-*/point-0/compare.json"))
+        if done and json.loads(done[0].read_text()).get("complete"):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    root = next(tmp_path.glob("sweep-*"))
+    assert not json.loads((root / "sweep.json").read_text())["complete"]
+    first = (root / "point-0" / "results.json").read_text()
+    out = cli_in_process("sweep", "--resume", str(root))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((root / "sweep.json").read_text())["complete"]
+    assert (root / "point-0" / "results.json").read_text() == first  # the finished point was kept
