@@ -75,7 +75,7 @@ def comparison_settings(args):
     """``(config, designs, seeds, overrides)`` of a comparison or sweep's arguments: ``--set``'s
     residual options go to the designs that take them, the rest to the shared config; the seeds
     are ``--seeds``' (``--set run.seed`` refused in their favour)."""
-    from .train.compare import comparison_choice, split_residual_overrides
+    from .train.designs import comparison_choice, split_residual_overrides
 
     seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
     if seeds:

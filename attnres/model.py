@@ -129,7 +129,8 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """The one place weights are initialized: N(0, init_std) for embeddings and projections,
         scaled by 1/sqrt(2 n_layers) for the projections that write into the residual (wo, w2);
-        the stream initializes its own parameters (zero queries: uniform depth weights)."""
+        the stream initializes its own parameters (zero queries: uniform depth weights), but for
+        those it asks to be drawn as projections (``Stream.normal_init_weights``)."""
         std = self.config.init_std
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         if not self.config.tie_embeddings:
@@ -153,6 +154,8 @@ class Transformer(nn.Module):
             for weight in outputs:
                 nn.init.normal_(weight, std=out_std)
         self.stream.reset_parameters()
+        for weight in self.stream.normal_init_weights():
+            nn.init.normal_(weight, std=std)
 
     def _check_tokens(self, tokens: torch.Tensor, start_pos: int) -> None:
         if tokens.ndim != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:

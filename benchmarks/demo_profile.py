@@ -2,7 +2,7 @@
 self time by operator, and what is left for Python between them.
 
 The model and batch of ``attnres compare``'s demo preset (dim 96, 8 layers, 16 sublayers, batch
-16 x 128, fp32), each design as ``compare.DESIGNS`` builds it; a step is forward, backward and
+16 x 128, fp32), each design as ``names.DESIGNS`` builds it; a step is forward, backward and
 AdamW, as in ``train/steps.py`` without the trainer's logging. After ``--warmup`` steps,
 ``--steps`` steps run under ``torch.profiler`` (CPU activities): per step, the wall time, the
 number of operator calls (top-level ATen calls, those the Python code makes; the calls inside
@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_csv  # noqa: E402
 
 from attnres.model import Transformer  # noqa: E402
-from attnres.train.compare import DESIGNS, design_config  # noqa: E402
+from attnres.names import DESIGNS  # noqa: E402
+from attnres.train.designs import design_config  # noqa: E402
 from attnres.train.config import demo  # noqa: E402
 
 

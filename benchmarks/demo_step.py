@@ -2,7 +2,7 @@
 design against PreNorm, through the trainer.
 
 dim 96, 8 layers (16 sublayers), 4 heads, vocab 256, batch 16 x 128, fp32; each design as
-``attnres compare`` builds it (``compare.DESIGNS``). A round trains every design for ``--steps``
+``attnres compare`` builds it (``names.DESIGNS``). A round trains every design for ``--steps``
 steps in one process, one after another as a comparison does (``train()`` on one corpus, no
 evaluation until the end); a design's time is the trainer's ``step_time_s`` (the mean over the
 run's steps, the first included), and its ratio is taken per round against PreNorm's; ``later``
@@ -69,7 +69,7 @@ from common import (  # noqa: E402
 )
 
 import attnres  # noqa: E402
-from attnres.train.compare import DESIGNS  # noqa: E402
+from attnres.names import DESIGNS  # noqa: E402
 
 
 class Package:
@@ -85,7 +85,11 @@ class Package:
             self.start_processes = lambda cfg: self.trainer.start_processes(cfg, run_plan(cfg, 1))
         except ModuleNotFoundError:  # a revision from before the parallel plan
             self.start_processes = self.trainer.start_processes
-        self.train, self.design_config = self.trainer.train, compare.design_config
+        try:  # where the revision makes a design's config
+            designs = module("designs")
+        except ModuleNotFoundError:
+            designs = compare
+        self.train, self.design_config = self.trainer.train, designs.design_config
         base = config.demo()
         base.run = dataclasses.replace(base.run, steps=steps, eval_every=steps, log_every=min(10, steps),
                                        tensorboard=False, progress=False)

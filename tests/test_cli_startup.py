@@ -95,15 +95,15 @@ def test_the_commands_act_on_the_names_the_parser_offers():
     """One list of each: the comparison's designs and the presets are those of ``attnres.names``,
     every preset is made, and every comparison preset's design is a design's label."""
     from attnres import names
-    from attnres.train import compare, config
+    from attnres.train import config, designs
 
-    assert compare.DESIGNS is names.DESIGNS and compare.DEFAULT_DESIGNS is names.DEFAULT_DESIGNS
+    assert designs.DESIGNS is names.DESIGNS and designs.DEFAULT_DESIGNS is names.DEFAULT_DESIGNS
     assert tuple(config.PRESETS) == names.PRESET_NAMES
     assert all(isinstance(config.preset(name), config.TrainConfig) for name in names.PRESET_NAMES)
     assert set(names.COMPARISON_PRESETS) <= set(names.PRESET_NAMES)
     for chosen in names.COMPARISON_PRESETS.values():
-        assert [compare.parse_design(label)[0] for label in chosen["designs"]]
-    assert compare.comparison_choice("ablations")[0] == list(names.ABLATIONS)
+        assert [designs.parse_design(label)[0] for label in chosen["designs"]]
+    assert designs.comparison_choice("ablations")[0] == list(names.ABLATIONS)
 
 
 def first_line(stream, timeout: float) -> str:

@@ -31,6 +31,10 @@ from .base import KeepsEverySource, Stream, Trace, resolve_block_sizes
 from .decode import BlockDecoder, FullDecoder
 
 QUERIES = ("static", "input")
+#: how the input-dependent term of a query is scaled: not at all, or by ``1/sqrt(D/H)``
+QUERY_SCALES = ("off", "rsqrt")
+#: what a windowed Full's output routing reads: the window, or every source
+WINDOW_OUTPUTS = ("window", "all")
 
 
 class DepthRoutingStream(Stream):
@@ -41,6 +45,12 @@ class DepthRoutingStream(Stream):
         query: ``"static"`` (a learned pseudo-query, the method) or ``"input"`` (METHOD.md section 9
             ablation: ``w_i + W_i @ latest_source`` with ``W_i`` ``[D, D]`` zero-initialized;
             per-token queries, which only the reference backend takes).
+        query_scale: with ``query="input"``, ``"off"`` or ``"rsqrt"``: the input-dependent term
+            ``W_i v`` times ``1/sqrt(D/H)`` (the static pseudo-query is not scaled).
+        query_gate: with ``query="input"``, a learned scalar ``g_i`` per site, initialized to 0,
+            multiplying the input-dependent term: ``w_i + g_i W_i v``; ``W_i`` is then drawn as
+            the model's other projections (``normal_init_weights``), so that both learn (a zero
+            gate times a zero matrix would take no gradient).
         score: ``"softmax"`` or the ``"sigmoid"`` ablation.
         key_norm: RMSNorm on the keys (``False`` is an ablation; then there are no key gains).
         backend: the routing backend, a name from ``ops.NAMES`` (``"auto"`` by default); an
@@ -55,6 +65,8 @@ class DepthRoutingStream(Stream):
         *,
         heads: int = 1,
         query: str = "static",
+        query_scale: str = "off",
+        query_gate: bool = False,
         score: str = "softmax",
         key_norm: bool = True,
         backend: str = "auto",
@@ -64,6 +76,13 @@ class DepthRoutingStream(Stream):
             raise ValueError(f"heads={heads!r} must be a positive integer dividing dim={dim}")
         if query not in QUERIES:
             raise ValueError(f"query={query!r} is not one of {QUERIES}")
+        if query_scale not in QUERY_SCALES:
+            raise ValueError(f"query_scale={query_scale!r} is not one of {QUERY_SCALES}")
+        if type(query_gate) is not bool:
+            raise ValueError(f"query_gate={query_gate!r} must be True or False")
+        if query != "input" and (query_scale != "off" or query_gate):
+            given = "query_scale=" + repr(query_scale) if query_scale != "off" else "query_gate=True"
+            raise ValueError(f"{given} applies to the input-dependent query (query='input'), not query={query!r}")
         self.router = DepthRouter(heads=heads, eps=eps, score=score, key_norm=bool(key_norm), backend=backend,
                                   per_token_query=query == "input")
         self.query = query
@@ -71,6 +90,8 @@ class DepthRoutingStream(Stream):
         self.pseudo_queries = nn.Parameter(torch.zeros(sites, dim))
         self.key_gains = nn.Parameter(torch.ones(sites, dim)) if self.key_norm else None
         self.query_proj = nn.Parameter(torch.zeros(sites, dim, dim)) if query == "input" else None
+        self.query_scale = query_scale
+        self.query_gates = nn.Parameter(torch.zeros(sites)) if query_gate else None
 
     # the routing options live in the router; read-only here
     heads = property(lambda self: self.router.heads)
@@ -85,6 +106,12 @@ class DepthRoutingStream(Stream):
             nn.init.ones_(self.key_gains)
         if self.query_proj is not None:
             nn.init.zeros_(self.query_proj)
+        if self.query_gates is not None:
+            nn.init.zeros_(self.query_gates)
+
+    def normal_init_weights(self) -> list[nn.Parameter]:
+        # a gated input query's projection starts as the model's projections do (its gate at 0)
+        return [self.query_proj] if self.query_gates is not None else []
 
     def no_weight_decay(self) -> set[str]:
         names = super().no_weight_decay() | {"pseudo_queries"}
@@ -98,10 +125,16 @@ class DepthRoutingStream(Stream):
 
     def _site_query(self, site: int, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(query, gain)`` of ``site``: its pseudo-query ``[D]`` (input-dependent queries: plus
-        ``W_site`` times the latest source, per token ``[..., D]``) and its key-norm gain."""
+        ``W_site`` times the latest source, per token ``[..., D]``, times ``1/sqrt(D/H)`` with
+        ``query_scale="rsqrt"`` and the site's gate with ``query_gate``) and its key-norm gain."""
         query = self.pseudo_queries[site]
         if self.query_proj is not None:
-            query = query + sources[-1].to(query.dtype) @ self.query_proj[site].T
+            term = sources[-1].to(query.dtype) @ self.query_proj[site].T
+            if self.query_scale == "rsqrt":
+                term = term * (self.dim // self.heads) ** -0.5
+            if self.query_gates is not None:
+                term = self.query_gates[site] * term
+            query = query + term
         return query, None if self.key_gains is None else self.key_gains[site]
 
     def _route_sources(self, site: int, sources: Sequence[torch.Tensor], memo: RoutingMemo,
@@ -131,10 +164,11 @@ class DepthRoutingStream(Stream):
         return None if fns is None else self.decoder_class(self, like, fns)
 
     def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, heads={self.heads}, query={self.query}, score={self.score}, "
-            f"key_norm={self.key_norm}, backend={self.backend}"
-        )
+        query = f"query={self.query}"
+        if self.query_proj is not None:
+            query += f", query_scale={self.query_scale}, query_gate={self.query_gates is not None}"
+        return (f"{super().extra_repr()}, heads={self.heads}, {query}, score={self.score}, key_norm={self.key_norm}, "
+                f"backend={self.backend}")
 
 
 class FullState(NamedTuple):
@@ -161,23 +195,29 @@ class FullAttnResStream(KeepsEverySource, DepthRoutingStream):
       any device: ``backend`` ``"auto"`` or one that runs on any device; it cannot combine with
       ``query="input"``, ``score="sigmoid"`` or ``key_norm=False``, which only attention has.
     - ``window=W``: site ``i`` reads ``e`` and the last ``W`` outputs ``v_{i-W} .. v_{i-1}``
-      (all of them while ``i <= W``; the output routing, the last ``W`` of all). ``W >= M`` is
-      Full. Every backend serves it (a read over fewer sources), with either mixing.
+      (all of them while ``i <= W``). The output routing reads the last ``W`` of all with
+      ``window_output="window"``, or every source with ``"all"``. ``W >= M`` is Full. Every
+      backend serves it (a read over fewer sources), with either mixing.
     """
 
     kind = "full"
     decoder_class = FullDecoder
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6, *, mixing: str = "attention",
-                 window: int | None = None, **options):
+                 window: int | None = None, window_output: str = "window", **options):
         if mixing not in MIXINGS:
             raise ValueError(f"mixing={mixing!r} is not one of {MIXINGS}")
         if window is not None and (type(window) is not int or window < 1):
             raise ValueError(f"window={window!r} must be None (every source) or an integer >= 1")
+        if window_output not in WINDOW_OUTPUTS:
+            raise ValueError(f"window_output={window_output!r} is not one of {WINDOW_OUTPUTS}")
+        if window is None and window_output != "window":
+            raise ValueError(f"window_output={window_output!r} says what a window's output routing reads: it "
+                             f"applies with window=W, and without a window the output reads every source")
         if mixing == "learned":
             _check_learned_mixing(options)
         super().__init__(dim, num_sublayers, eps, **options)
-        self.mixing, self.window = mixing, window
+        self.mixing, self.window, self.window_output = mixing, window, window_output
         self._make_norms()
         if mixing == "learned":  # no attention: its parameters would take no gradient
             sites = num_sublayers + 1
@@ -200,8 +240,9 @@ class FullAttnResStream(KeepsEverySource, DepthRoutingStream):
 
     def sources_read(self, site: int) -> list[int]:
         """The indices into ``(e, v_0, ..., v_{M-1})`` that site ``site`` (``M``: the output)
-        reads: all ``site + 1``, or with a window ``e`` and the last ``W`` outputs."""
-        if self.window is None or site <= self.window:
+        reads: all ``site + 1``, or with a window ``e`` and the last ``W`` outputs (the output
+        routing all of them with ``window_output="all"``)."""
+        if self.window is None or site <= self.window or (site == self.num_sublayers and self.window_output == "all"):
             return list(range(site + 1))
         return [0, *range(site + 1 - self.window, site + 1)]
 
@@ -252,7 +293,7 @@ class FullAttnResStream(KeepsEverySource, DepthRoutingStream):
         return super()._decoder(like)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mixing={self.mixing}, window={self.window}"
+        return f"{super().extra_repr()}, mixing={self.mixing}, window={self.window}, window_output={self.window_output}"
 
 
 def _check_learned_mixing(options: dict) -> None:

@@ -241,6 +241,11 @@ class Stream(nn.Module):
             if isinstance(m, RMSNorm):
                 m.reset_parameters()
 
+    def normal_init_weights(self) -> list[nn.Parameter]:
+        """The stream's parameters the model draws as its own projections, N(0, init_std)
+        (``Transformer.init_weights``), after ``reset_parameters``; none by default."""
+        return []
+
     def no_weight_decay(self) -> set[str]:
         """Names (relative to the stream) of parameters kept out of weight decay."""
         return {n for n, p in self.named_parameters() if p.ndim < 2}

@@ -1,0 +1,175 @@
+"""A comparison's designs: each a label, ``name[:field=value:...]``, a design of ``names.DESIGNS``
+with options of its own (``parse_design``), made into its residual options (``design_options``),
+its model config (``design_config``) and its optimizer fields (``optim_fields``) for the
+comparison's shared sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from ..analysis.comparison import label_path
+from ..model import ModelConfig
+from ..names import COMPARISON_PRESETS, DEFAULT_DESIGNS, DESIGNS
+from ..streams import MODEL_OPTIONS, STREAMS
+from .config import OptimConfig, parse_value
+
+
+#: what every design of a comparison shares: the model's fields but the residual kind and options
+SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
+
+
+def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str], list[int]]:
+    """The designs and seeds of a comparison: those given, else the preset's
+    (``COMPARISON_PRESETS``), else ``DEFAULT_DESIGNS`` and seed 0."""
+    chosen = COMPARISON_PRESETS.get(preset, {})
+    return list(designs or chosen.get("designs", DEFAULT_DESIGNS)), list(seeds or chosen.get("seeds", (0,)))
+
+
+#: the options that size a Block design's blocks, one way or another
+BLOCK_SIZING = ("num_blocks", "block_size", "block_sizes")
+#: what a variant may set besides its design's residual options (the sizes stay shared): model
+#: fields, and optimizer fields (``OPTIM_VARIANT_FIELDS``, set in the variant's run's ``optim``)
+OPTIM_VARIANT_FIELDS = ("query_lr_scale",)
+VARIANT_FIELDS = ("norm_eps", "norm_eps_scale", *OPTIM_VARIANT_FIELDS)
+#: the characters a design's label may hold (folder names derive from it: ``label_path``)
+LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:=+-")
+
+
+def parse_design(label: str) -> tuple[str, dict]:
+    """``(design, options)`` of a design's label: a name of ``DESIGNS``, then options separated
+    by colons, ``name:field=value:field=value``, each a residual option the design's kind takes
+    (as ``--set model.<field>`` names it) or ``norm_eps``, its value parsed by the field's type::
+
+        full                          ->  ("full", {})
+        full:norm_eps=1e-12           ->  ("full", {"norm_eps": 1e-12})
+        block:block_sizes=4,4,6,2     ->  ("block", {"block_sizes": (4, 4, 6, 2)})
+
+    ``ValueError`` names the label and what is accepted for anything else."""
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"design {label!r}: expected a design name, e.g. 'full' or 'full:norm_eps=1e-12'")
+    odd = sorted(set(label) - LABEL_CHARACTERS)
+    if odd:
+        raise ValueError(f"design {label!r}: the characters {odd} are not accepted; a label is "
+                         "name:field=value:... in letters, digits and _ . , = + -")
+    name, *parts = label.split(":")
+    if name not in DESIGNS:
+        raise ValueError(f"design {label!r}: unknown design {name!r}; expected one of {sorted(DESIGNS)}, "
+                         "optionally with options: name:field=value:...")
+    kind = DESIGNS[name]["residual"]
+    takes = {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
+    hints = {**typing.get_type_hints(ModelConfig),
+             **{f: t for f, t in typing.get_type_hints(OptimConfig).items() if f in OPTIM_VARIANT_FIELDS}}
+    # the optimizer's variant fields apply to what the kind has: the input query's learning rate
+    variants = [f for f in VARIANT_FIELDS if f not in OPTIM_VARIANT_FIELDS or "query" in takes]
+    options: dict = {}
+    for part in parts:
+        field, eq, value = part.partition("=")
+        if not eq or not field or not value:
+            raise ValueError(f"design {label!r}: {part!r} is not field=value (options are separated by colons: "
+                             "name:field=value:field=value)")
+        if field not in takes and field not in variants:
+            named = [f for f in takes if MODEL_OPTIONS[f].name == field]
+            if named:  # the stream's own name of an option the config names otherwise (GR's rank)
+                raise ValueError(f"design {label!r}: the option {field!r} of {name!r} is written "
+                                 f"{named[0]!r}: {name}:{named[0]}={value}")
+            raise ValueError(f"design {label!r}: {field!r} is not an option of {name!r} (a {kind} design); "
+                             f"it takes {sorted(takes) + variants}")
+        if field in options:
+            raise ValueError(f"design {label!r}: {field!r} is given twice")
+        options[field] = parse_value(value, hints[field], field, f"design {label!r}:")
+    return name, options
+
+
+def design_kind(label: str) -> str:
+    """The residual kind of a design's label."""
+    return DESIGNS[parse_design(label)[0]]["residual"]
+
+
+def design_options(base: ModelConfig, label: str, overrides: dict | None = None) -> dict:
+    """The residual kind and options of design ``label`` (a name of ``DESIGNS`` with its own
+    options, ``parse_design``) for ``base``'s sizes: the design's defaults, then ``overrides``
+    (residual options the user set for every design) where its kind takes them, then the
+    label's own options, which win; ``norm_eps`` only when the label sets it."""
+    name, own = parse_design(label)
+    options = dict(DESIGNS[name])
+    if options.get("heads") == "n_kv_heads":
+        options["heads"] = base.n_kv_heads
+    if "num_blocks" in options:
+        options["num_blocks"] = min(options["num_blocks"], base.num_sublayers)
+    takes = STREAMS[options["residual"]].options()
+    shared = {name: value for name, value in (overrides or {}).items()
+              if name == "residual" or MODEL_OPTIONS[name].name in takes}
+    for given in (shared, own):  # the label's own options last: they win
+        sizing = set(BLOCK_SIZING) & set(given)
+        if sizing:  # one way of sizing the blocks replaces another given before
+            for name in set(BLOCK_SIZING) - sizing:
+                options.pop(name, None)
+        options.update(given)
+    return options
+
+
+def design_config(base: ModelConfig, label: str, overrides: dict | None = None,
+                  options: dict | None = None) -> ModelConfig:
+    """``base``'s sizes with design ``label``'s residual options (``options``, when already
+    made by ``design_options``; its optimizer fields aside); a ``norm_eps`` among them replaces
+    the base's."""
+    sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
+    options = options or design_options(base, label, overrides)
+    return ModelConfig(**{**sizes, **{k: v for k, v in options.items() if k not in OPTIM_VARIANT_FIELDS}})
+
+
+def check_overrides(designs, overrides: dict) -> None:
+    """Every residual option the user set must apply to at least one chosen design, and
+    ``residual`` (the designs choose it) must agree with all of them."""
+    kinds = {label: design_kind(label) for label in designs}
+    for name, value in overrides.items():
+        if name == "residual":
+            other = [label for label, kind in kinds.items() if kind != value]
+            if other:
+                raise ValueError(f"--set model.residual={value!r}: the designs choose the residual kind, and "
+                                 f"{other} are not {value!r}; leave it out or choose designs of that kind")
+            continue
+        option = MODEL_OPTIONS[name].name
+        if not any(option in STREAMS[kind].options() for kind in kinds.values()):
+            takers = sorted(k for k, cls in STREAMS.items() if option in cls.options())
+            raise ValueError(f"--set model.{name}={value!r} applies to none of the designs {list(designs)}; "
+                             f"it is an option of {takers}")
+
+
+def check_labels(designs) -> None:
+    """Each label parses (``parse_design``); no two are the same variant written differently
+    (``full:key_norm=false`` and ``full:key_norm=False``), and no two share a folder name
+    (``label_path``) on a filesystem that ignores case."""
+    paths: dict[str, str] = {}
+    variants: dict[tuple, str] = {}
+    for label in designs:
+        design, options = parse_design(label)
+        other = variants.setdefault((design, frozenset(options.items())), label)
+        if other != label:
+            raise ValueError(f"designs {other!r} and {label!r} are the same variant; give it once")
+        other = paths.setdefault(label_path(label).lower(), label)
+        if other != label:
+            raise ValueError(f"designs {other!r} and {label!r} would share the folder {label_path(label)!r}; "
+                             "write one of them differently")
+
+
+def split_residual_overrides(assignments) -> tuple[list[str], dict]:
+    """``--set`` assignments split into those of the shared config and the residual ones
+    (``model.residual`` and ``model.<option>``), the latter parsed: ``(others, {field: value})``."""
+    hints = typing.get_type_hints(ModelConfig)
+    others, overrides = [], {}
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        section, _, name = key.partition(".")
+        if section == "model" and (name in MODEL_OPTIONS or name == "residual") and "=" in assignment:
+            overrides[name] = parse_value(value, hints[name], key)
+        else:
+            others.append(assignment)
+    return others, overrides
+
+
+def optim_fields(options: dict) -> dict:
+    """A design's optimizer fields among its options (``OPTIM_VARIANT_FIELDS``)."""
+    return {k: v for k, v in options.items() if k in OPTIM_VARIANT_FIELDS}
