@@ -167,6 +167,8 @@ def _add_export(sub) -> None:
     p.add_argument("run_dir", help="the run's folder (one process's checkpoints or a sharded run's)")
     p.add_argument("out", help="folder to write the model and its byte tokenizer to")
     p.add_argument("--overwrite", action="store_true", help="replace an output folder that is not empty")
+    p.add_argument("--format", choices=("attnres", "llama"), default="attnres",
+                   help="attnres's own classes (default), or a PreNorm run as a plain LlamaForCausalLM folder")
     p.set_defaults(fn=commands.cmd_export, loads=("attnres.hf.export",))
 
 

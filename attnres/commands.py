@@ -254,7 +254,7 @@ def cmd_convert(args) -> int:
 def cmd_export(args) -> int:
     from .hf.export import export_run
 
-    info = export_run(args.run_dir, args.out, overwrite=args.overwrite)
+    info = export_run(args.run_dir, args.out, overwrite=args.overwrite, format=args.format)
     print(f"exported step {info['step']} ({info['parameters']:,} parameters) of {args.run_dir} to {args.out}")
     return 0
 
