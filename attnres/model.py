@@ -162,6 +162,9 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"tokens must be an integer tensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}"
             )
+        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens {tuple(tokens.shape)}: an empty batch or sequence; give at least one token "
+                             f"in each of at least one row")
         end = start_pos + tokens.shape[1]
         if end > self.config.max_seq_len:
             raise ValueError(

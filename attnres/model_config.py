@@ -77,17 +77,23 @@ class ModelConfig:
             self.block_sizes = tuple(self.block_sizes)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if type(value) is not int or value < 1:  # a bool is an int to Python, never a size
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.ffn_dim is None:
             self.ffn_dim = 32 * math.ceil(8 * self.dim / 3 / 32)
+        if type(self.ffn_dim) is not int or self.ffn_dim < 1:
+            raise ValueError(f"ffn_dim={self.ffn_dim!r} must be a positive integer (or None: 8/3 dim)")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
         if self.dim % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+        if type(self.n_kv_heads) is not int or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads!r} must be a positive integer dividing n_heads={self.n_heads}"
             )

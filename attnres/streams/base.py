@@ -97,10 +97,13 @@ class Stream(nn.Module):
 
     def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
         super().__init__()
-        if not isinstance(dim, int) or dim < 1:
+        if type(dim) is not int or dim < 1:  # a bool is an int to Python, never a size
             raise ValueError(f"dim={dim!r} must be a positive integer")
-        if not isinstance(num_sublayers, int) or num_sublayers < 1:
+        if type(num_sublayers) is not int or num_sublayers < 1:
             raise ValueError(f"num_sublayers={num_sublayers!r} must be a positive integer")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps={eps!r} must be a finite number > 0 (the RMSNorms' epsilon: 0 or less, or "
+                             f"nan, makes the norms divide by zero or give nan)")
         self.dim = dim
         self.num_sublayers = num_sublayers
         self.eps = eps
@@ -110,6 +113,9 @@ class Stream(nn.Module):
         """The state before sublayer 0, from the embedding ``e`` ``[..., D]``."""
         if not isinstance(e, torch.Tensor) or e.ndim < 1 or e.shape[-1] != self.dim:
             self._refuse_embedding(e, "init")
+        if not e.dtype.is_floating_point:
+            raise ValueError(f"init(e): e is a {e.dtype} tensor {tuple(e.shape)}; the stream routes and normalizes "
+                             f"floating-point embeddings (e.g. float32)")
         return self._init(e)
 
     def read(self, state: Any, i: int, trace: Trace | None = None) -> torch.Tensor:
