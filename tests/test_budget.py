@@ -82,3 +82,20 @@ def test_mcnemar_against_a_case_worked_by_hand():
     assert mcnemar([True, False], [True, False])["p"] == 1.0  # no discordant item
     with pytest.raises(ValueError, match="the same items"):
         mcnemar([True], [True, False])
+
+
+def test_the_width_probe_against_a_case_worked_by_hand():
+    """D = 4, two slices, two sources of RMS 1 in every slice, query [1, 0, 0, 1]: the whole
+    width scores the sources 2 and 0, slice 0 ([1, 0]) scores them 1 and 1, slice 1 ([0, 1])
+    1 and -1. Shared weights (e^2, 1) / (e^2 + 1); slice 0's (1/2, 1/2), slice 1's the shared
+    ones: KL(slice 0 || shared) = ln(1/2) - (ln p + ln q) / 2, KL(slice 1 || shared) = 0."""
+    import torch
+
+    from attnres.analysis.probes import mean_slice_kl
+
+    sources = [torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[1.0, -1.0, 1.0, -1.0]])]
+    query = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    p, q = math.exp(2) / (math.exp(2) + 1), 1 / (math.exp(2) + 1)
+    kl0 = math.log(0.5) - (math.log(p) + math.log(q)) / 2
+    assert mean_slice_kl(query, None, sources, 2, 1e-12) == pytest.approx(kl0 / 2, rel=1e-5)
+    assert mean_slice_kl(query, None, sources, 1, 1e-12) == pytest.approx(0.0, abs=1e-7)  # one slice: the shared

@@ -16,7 +16,11 @@ from ..ops import depth_attention_naive
 from ..streams import DepthRoutingStream, Trace
 
 
-def _mean_kl(query, gain, sources, slices, eps) -> float:
+def mean_slice_kl(query, gain, sources, slices, eps) -> float:
+    """``mean over slices and tokens of KL(slice s || shared)``: the depth weights of ``query``
+    ``[D]`` over ``sources`` (``N x [..., D]``, keys RMS-normalized with ``gain``) when each of
+    ``slices`` slices of the width routes alone (multi-head), against one softmax for the whole
+    width (single-head)."""
     shared = depth_attention_naive(query, sources, gain, heads=1, eps=eps, return_weights=True)[1]  # [N, ..., 1]
     sliced = depth_attention_naive(query, sources, gain, heads=slices, eps=eps, return_weights=True)[1]  # [N, ..., S]
     tiny = torch.finfo(sliced.dtype).tiny
@@ -46,8 +50,8 @@ def width_disagreement(model: Transformer, tokens: torch.Tensor, slices: int = 4
         gain = stream.key_gains[site].float() if stream.key_gains is not None else None
         noise = torch.randn(query.shape, generator=g)
         noise = noise * query.norm() / noise.norm().clamp_min(1e-12)
-        trained.append(_mean_kl(query, gain, sources, slices, stream.eps))
-        random.append(_mean_kl(noise, gain, sources, slices, stream.eps))
+        trained.append(mean_slice_kl(query, gain, sources, slices, stream.eps))
+        random.append(mean_slice_kl(noise, gain, sources, slices, stream.eps))
     if not trained:
         return None
     t, r = sum(trained) / len(trained), sum(random) / len(random)
