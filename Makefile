@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[test,report,train,triton,hf]"
+	$(PY) -m pip install --quiet -e ".[test,report,train,triton,hf,hf-train]"
 	touch $(STAMP)
 
 # Two workers (pytest-xdist), one thread each (tests/conftest.py); the tests that share a
