@@ -80,6 +80,22 @@ def native_folder(name: str, folder: Path) -> Path:
     return folder
 
 
+def source_folder(folder: Path) -> Path:
+    """A PreNorm run's model exported as a plain Llama folder (``attnres export --format llama``),
+    which vLLM serves with its own Llama."""
+    import transformers
+
+    from attnres.hf.export import llama_config, llama_weights
+    from attnres.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, max_seq_len=256, init_std=0.1)
+    model = transformers.LlamaForCausalLM(llama_config(config)).eval()
+    model.load_state_dict(llama_weights(Transformer(config).state_dict(), config.n_layers))
+    _write_reference(model, folder, model.lm_head)
+    return folder
+
+
 def converted_folder(source: str, folder: Path) -> Path:
     """A random ``source`` model (``CONVERTED``) converted by ``attnres convert``."""
     import transformers

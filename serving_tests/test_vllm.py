@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from .folders import CONVERTED, NATIVE, converted_folder, native_folder
+from .folders import CONVERTED, NATIVE, converted_folder, native_folder, source_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_ENV = REPO / ".venv-serve" / "bin"
-FOLDERS = [*NATIVE, *CONVERTED]
+#: the folders: attnres's own designs, converted sources, and a plain Llama (a PreNorm run's
+#: ``--format llama`` export, served by vLLM's own model)
+FOLDERS = [*NATIVE, *CONVERTED, "llama-source"]
 
 
 def serve_python() -> str:
@@ -38,6 +40,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("served")
     built = {name: native_folder(name, root / name) for name in NATIVE}
     built.update({source: converted_folder(source, root / source) for source in CONVERTED})
+    built["llama-source"] = source_folder(root / "llama-source")
     return built
 
 
@@ -77,10 +80,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_attnres_serve_answers_an_openai_completion(folders, tmp_path):
+@pytest.mark.parametrize("name", ["block", "llama-source"])
+def test_attnres_serve_answers_an_openai_completion(folders, tmp_path, name):
     """``attnres serve`` on the loopback address: a completion through the ``openai`` client
-    gives the reference tokens; the test stops the server."""
-    folder, port = folders["block"], free_port()
+    gives the reference tokens, for attnres's own model and for a plain Llama folder (heads of
+    64 dimensions); the test stops the server."""
+    folder, port = folders[name], free_port()
     server = subprocess.Popen([str(SERVE_ENV / "attnres"), "serve", str(folder), "--port", str(port),
                                "--kv-cache-gib", "0.25"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)

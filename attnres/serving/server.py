@@ -1,6 +1,8 @@
-"""``attnres serve``: vLLM's OpenAI-compatible server for a folder the plugin serves.
+"""``attnres serve``: vLLM's OpenAI-compatible server for a folder the plugin serves, or for a
+source model of the architectures ``attnres convert`` takes (``SOURCE_ARCHITECTURES``, served by
+vLLM's own models: a PreNorm run exported ``--format llama`` serves as it is).
 
-The folder is checked first (a ``config.json`` declaring one of the plugin's ``ARCHITECTURES``),
+The folder is checked first (a ``config.json`` declaring one of ``SERVED``),
 then vLLM's server replaces this process. On a machine without CUDA it runs vLLM's CPU engine
 in eager mode and fp32, which the CPU routing kernels take (README, "Serving"), with a KV cache
 of ``kv_cache_gib`` (vLLM's CPU engine otherwise reserves most of the machine's memory).
@@ -15,6 +17,12 @@ from pathlib import Path
 
 from . import ARCHITECTURES
 
+#: the architectures ``attnres convert`` converts from, which vLLM serves with its own models
+SOURCE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+#: what ``attnres serve`` serves: the plugin's architectures and the sources
+SERVED = (*ARCHITECTURES, *SOURCE_ARCHITECTURES)
+
 
 def served_architecture(model_dir: Path) -> str:
     """The architecture ``model_dir``'s ``config.json`` declares; ``ValueError`` naming it when
@@ -28,10 +36,10 @@ def served_architecture(model_dir: Path) -> str:
         raise ValueError(f"{path} is not readable JSON ({exc})") from None
     declared = config.get("architectures") if isinstance(config, dict) else None
     if not isinstance(declared, list) or len(declared) != 1:
-        raise ValueError(f"{path} declares architectures={declared!r}; one of {sorted(ARCHITECTURES)} is served")
-    if declared[0] not in ARCHITECTURES:
+        raise ValueError(f"{path} declares architectures={declared!r}; one of {sorted(SERVED)} is served")
+    if declared[0] not in SERVED:
         raise ValueError(f"{path} declares architecture {declared[0]!r}, which attnres does not serve; "
-                         f"served: {sorted(ARCHITECTURES)}")
+                         f"served: {sorted(SERVED)}")
     return declared[0]
 
 
