@@ -121,14 +121,31 @@ def split_query_grad(d_qg, query, gain, needs_query, needs_gain):
     return d_query, d_gain
 
 
+def checked_prepared(prepared, n: int, key_norm: bool) -> tuple:
+    """Each source's prepared inverse RMS (None where not given, and all None without the key
+    norm), checked against ``n`` sources."""
+    cached = tuple(prepared) if prepared is not None and key_norm else (None,) * n
+    if len(cached) != n:
+        raise ValueError(f"prepared has {len(cached)} entries for {n} sources")
+    return cached
+
+
+def depth_outputs(ctx, outs, lse: torch.Tensor, score: str) -> tuple:
+    """What a depth-attention autograd function returns, ``(*outs, lse)``: an output that gets no
+    gradient gets None in backward, not zeros, and the sigmoid score's ``lse`` (zeros) is not
+    differentiable."""
+    ctx.set_materialize_grads(False)
+    if score != "softmax":
+        ctx.mark_non_differentiable(lse)
+    return (*outs, lse)
+
+
 def apply_depth_function(function, queries, sources, gains, heads, eps, score, key_norm, prepared, norm):
     """``attend``'s arguments passed to ``function`` (an ``autograd.Function`` taking the queries,
     gains, norm weight, options, ``n``, then ``n`` sources and ``n`` prepared inverse RMS), and
     ``(outs, lse)`` taken from its flat outputs."""
     n = len(sources)
-    cached = list(prepared) if prepared is not None and key_norm else [None] * n
-    if len(cached) != n:
-        raise ValueError(f"prepared has {len(cached)} entries for {n} sources")
+    cached = checked_prepared(prepared, n, key_norm)
     norm_weight, norm_eps = (norm.weight, norm.eps) if norm is not None else (None, None)
     *outs, lse = function.apply(queries, gains, norm_weight, heads, eps, score, key_norm, norm_eps, n, *sources, *cached)
     return tuple(outs), lse

@@ -88,11 +88,56 @@ def gated_mix_naive(R: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (torch.sigmoid(z) * R).mean(-2)
 
 
+class ReferenceStreamOps(BackendOps):
+    """The multi-stream operations in the reference's PyTorch forms, which autograd
+    differentiates as written and inductor fuses: the ``naive`` and ``torch`` backends' own."""
+
+    def stream_mix(self, H, w):
+        return stream_mix_naive(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        return stream_update_naive(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        return gated_mix_naive(R, z)
+
+    def sinkhorn(self, logits, iterations=20):
+        return sinkhorn(logits, iterations)
+
+
+class KernelStreamOps(ReferenceStreamOps):
+    """The multi-stream operations on a fused backend's kernels, the functions of its module
+    ``stream_kernels`` (``stream_mix``, ``stream_update``, ``gated_mix``, ``sinkhorn``); while
+    ``torch.compile`` traces, the reference's forms, which inductor fuses."""
+
+    stream_kernels = None
+
+    def stream_mix(self, H, w):
+        if torch.compiler.is_compiling():
+            return super().stream_mix(H, w)
+        return self.stream_kernels.stream_mix(H, w)
+
+    def stream_update(self, H, A, b, v, *, transposed=False):
+        if torch.compiler.is_compiling():
+            return super().stream_update(H, A, b, v, transposed=transposed)
+        return self.stream_kernels.stream_update(H, A, b, v, transposed)
+
+    def gated_mix(self, R, z):
+        if torch.compiler.is_compiling():
+            return super().gated_mix(R, z)
+        return self.stream_kernels.gated_mix(R, z)
+
+    def sinkhorn(self, logits, iterations=20):
+        if torch.compiler.is_compiling():
+            return super().sinkhorn(logits, iterations)
+        return self.stream_kernels.sinkhorn(logits, iterations)
+
+
 def _normed(x: torch.Tensor, norm) -> torch.Tensor:
     return x if norm is None else rms_norm(x, norm.weight, norm.eps)
 
 
-class NaiveOps(BackendOps):
+class NaiveOps(ReferenceStreamOps):
     """The reference backend's operations (``ops.backends.BackendOps``)."""
 
     name = "naive"
@@ -179,20 +224,8 @@ class NaiveOps(BackendOps):
             dv = dv + grad.to(dt)
         return dv.to(source.dtype)
 
-    def stream_mix(self, H, w):
-        return stream_mix_naive(H, w)
-
-    def stream_update(self, H, A, b, v, *, transposed=False):
-        return stream_update_naive(H, A, b, v, transposed)
-
-    def gated_mix(self, R, z):
-        return gated_mix_naive(R, z)
-
     def rms_norm(self, x, weight, eps=1e-6):
         return rms_norm(x, weight, eps)
-
-    def sinkhorn(self, logits, iterations=20):
-        return sinkhorn(logits, iterations)
 
 
 OPS = NaiveOps()

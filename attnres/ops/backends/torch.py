@@ -44,11 +44,11 @@ from __future__ import annotations
 import torch
 
 from ..rmsnorm import RMSNormFunction, rms_norm_backward, rms_norm_forward
-from ..sinkhorn import sinkhorn
 from .common import (
     KeyStatisticsOps,
     apply_depth_function,
     compute_dtype,
+    depth_outputs,
     fold_gain,
     inverse_rms,
     key_inverse_rms,
@@ -57,7 +57,7 @@ from .common import (
     split_query_grad,
     stack_scores,
 )
-from .naive import gated_mix_naive, stream_mix_naive, stream_update_naive
+from .naive import ReferenceStreamOps
 
 __all__ = ["OPS", "DepthAttentionFunction", "MergeFunction", "TorchOps"]
 
@@ -163,10 +163,7 @@ class DepthAttentionFunction(torch.autograd.Function):
             kept = None
         ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, inv_rms, kept, *sources)
         ctx.config = (H, score, key_norm, n)
-        ctx.set_materialize_grads(False)
-        if score != "softmax":
-            ctx.mark_non_differentiable(lse)
-        return (*outs, lse)
+        return depth_outputs(ctx, outs, lse, score)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -351,7 +348,7 @@ class MergeFunction(torch.autograd.Function):
 
 
 
-class TorchOps(KeyStatisticsOps):
+class TorchOps(KeyStatisticsOps, ReferenceStreamOps):
     """The ``torch`` backend's operations (``ops.backends.BackendOps``)."""
 
     name = "torch"
@@ -394,23 +391,11 @@ class TorchOps(KeyStatisticsOps):
             outs = (rms_norm_forward(outs[0], norm.weight, norm.eps, in_place=True)[0], *outs[1:])
         return outs, lse
 
-    # The multi-stream operations as plain PyTorch ops (the reference's forms), which autograd
-    # differentiates and inductor fuses.
-
-    def stream_mix(self, H, w):
-        return stream_mix_naive(H, w)
-
-    def stream_update(self, H, A, b, v, *, transposed=False):
-        return stream_update_naive(H, A, b, v, transposed)
-
-    def gated_mix(self, R, z):
-        return gated_mix_naive(R, z)
+    # The multi-stream operations: the reference's PyTorch forms (ReferenceStreamOps), GR's
+    # per-branch norm with RMSNormFunction's one-pass backward.
 
     def rms_norm(self, x, weight, eps=1e-6):
         return RMSNormFunction.apply(x, weight, eps)
-
-    def sinkhorn(self, logits, iterations=20):
-        return sinkhorn(logits, iterations)
 
 
 OPS = TorchOps()

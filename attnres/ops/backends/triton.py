@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 
 from ..rmsnorm import RMSNormFunction
-from ..sinkhorn import sinkhorn
-from . import BackendOps, triton_streams
-from .naive import gated_mix_naive, stream_mix_naive, stream_update_naive
+from . import triton_streams
+from .naive import KernelStreamOps
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -292,10 +291,11 @@ def _normed(x, norm):
     return x if norm is None else RMSNormFunction.apply(x, norm.weight, norm.eps)
 
 
-class TritonOps(BackendOps):
+class TritonOps(KernelStreamOps):
     """The ``triton`` backend's operations (``ops.backends.BackendOps``)."""
 
     name = "triton"
+    stream_kernels = triton_streams
 
     def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
                key_norm=True, norm=None, prepared=None):
@@ -322,32 +322,12 @@ class TritonOps(BackendOps):
         """Nothing: the kernels normalize each source as they read it."""
         return None
 
-    # The multi-stream operations on their kernels (``triton_streams``); while ``torch.compile``
-    # traces, the reference's PyTorch forms, which inductor fuses.
-
-    def stream_mix(self, H, w):
-        if torch.compiler.is_compiling():
-            return stream_mix_naive(H, w)
-        return triton_streams.stream_mix(H, w)
-
-    def stream_update(self, H, A, b, v, *, transposed=False):
-        if torch.compiler.is_compiling():
-            return stream_update_naive(H, A, b, v, transposed)
-        return triton_streams.stream_update(H, A, b, v, transposed)
-
-    def gated_mix(self, R, z):
-        if torch.compiler.is_compiling():
-            return gated_mix_naive(R, z)
-        return triton_streams.gated_mix(R, z)
+    # The multi-stream operations on their kernels (KernelStreamOps: ``triton_streams``; the
+    # reference's forms while torch.compile traces) but GR's per-branch norm: PyTorch's ops
+    # (RMSNormFunction's one-pass backward), not a Triton kernel.
 
     def rms_norm(self, x, weight, eps=1e-6):
-        # PyTorch's ops (RMSNormFunction's one-pass backward), not a Triton kernel
         return RMSNormFunction.apply(x, weight, eps)
-
-    def sinkhorn(self, logits, iterations=20):
-        if torch.compiler.is_compiling():
-            return sinkhorn(logits, iterations)
-        return triton_streams.sinkhorn(logits, iterations)
 
 
 OPS = TritonOps()

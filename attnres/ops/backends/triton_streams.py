@@ -27,33 +27,55 @@ BLOCK_B = 32
 
 
 @triton.jit
-def _mix_fwd(H, w, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _token_block(T, D, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's ``BT`` tokens ``t`` and the ``BD`` columns ``d``, the tokens that exist
+    (``tm``, ``[BT]``) and the entries that do (``mask``, ``[BT, BD]``)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.arange(0, BD)
     tm = t < T
-    mask = tm[:, None] & (d < D)[None, :]
+    return t, d, tm, tm[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _row(X, t, d, D, mask):
+    """Each token's row ``[BT, BD]`` of ``X`` ``[T, D]``, in fp32 (0 outside)."""
+    return tl.load(X + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _stream(X, t, k, d, N: tl.constexpr, D, mask):
+    """Each token's stream ``k`` ``[BT, BD]`` of ``X`` ``[T, N, D]``, in fp32 (0 outside)."""
+    return tl.load(X + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _entry(X, t, k, N: tl.constexpr, tm):
+    """Each token's number ``k`` ``[BT]`` of ``X`` ``[T, N]``, in fp32 (0 outside)."""
+    return tl.load(X + t * N + k, mask=tm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mix_fwd(H, w, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    t, d, tm, mask = _token_block(T, D, BT, BD)
     acc = tl.zeros([BT, BD], tl.float32)
     for k in tl.static_range(N):
-        h = tl.load(H + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(w + t * N + k, mask=tm, other=0.0).to(tl.float32)
+        h = _stream(H, t, k, d, N, D, mask)
+        a = _entry(w, t, k, N, tm)
         acc += a[:, None] * h
     tl.store(y + t[:, None] * D + d[None, :], acc.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _mix_bwd(H, w, g, dH, dw, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-             NEED_H: tl.constexpr, NEED_W: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    tm = t < T
-    mask = tm[:, None] & (d < D)[None, :]
-    gt = tl.load(g + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+             NEED_ROWS: tl.constexpr, NEED_WEIGHTS: tl.constexpr):
+    t, d, tm, mask = _token_block(T, D, BT, BD)
+    gt = _row(g, t, d, D, mask)
     for k in tl.static_range(N):
-        if NEED_H:
-            a = tl.load(w + t * N + k, mask=tm, other=0.0).to(tl.float32)
+        if NEED_ROWS:
+            a = _entry(w, t, k, N, tm)
             tl.store(dH + (t[:, None] * N + k) * D + d[None, :], (a[:, None] * gt).to(dH.dtype.element_ty), mask=mask)
-        if NEED_W:
-            h = tl.load(H + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NEED_WEIGHTS:
+            h = _stream(H, t, k, d, N, D, mask)
             tl.store(dw + t * N + k, tl.sum(gt * h, axis=1).to(dw.dtype.element_ty), mask=tm)
 
 
@@ -68,20 +90,17 @@ def _coef(A, t, tm, j, k, N: tl.constexpr, TRANS: tl.constexpr):
 @triton.jit
 def _update_fwd(H, A, b, v, out, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                 HAS_A: tl.constexpr, TRANS: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    tm = t < T
-    mask = tm[:, None] & (d < D)[None, :]
-    vt = tl.load(v + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    t, d, tm, mask = _token_block(T, D, BT, BD)
+    vt = _row(v, t, d, D, mask)
     for j in tl.static_range(N):
-        bj = tl.load(b + t * N + j, mask=tm, other=0.0).to(tl.float32)
+        bj = _entry(b, t, j, N, tm)
         acc = bj[:, None] * vt
         if HAS_A:
             for k in tl.static_range(N):
-                h = tl.load(H + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                h = _stream(H, t, k, d, N, D, mask)
                 acc += _coef(A, t, tm, j, k, N, TRANS)[:, None] * h
         else:
-            acc += tl.load(H + (t[:, None] * N + j) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += _stream(H, t, j, d, N, D, mask)
         tl.store(out + (t[:, None] * N + j) * D + d[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -89,21 +108,18 @@ def _update_fwd(H, A, b, v, out, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl
 def _update_bwd(H, A, b, v, g, dH, dA, db, dv, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                 HAS_A: tl.constexpr, TRANS: tl.constexpr, NEED_H: tl.constexpr, NEED_A: tl.constexpr,
                 NEED_B: tl.constexpr, NEED_V: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    tm = t < T
-    mask = tm[:, None] & (d < D)[None, :]
-    vt = tl.load(v + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    t, d, tm, mask = _token_block(T, D, BT, BD)
+    vt = _row(v, t, d, D, mask)
     dvt = tl.zeros([BT, BD], tl.float32)
     for j in tl.static_range(N):
-        gj = tl.load(g + (t[:, None] * N + j) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        gj = _stream(g, t, j, d, N, D, mask)
         if NEED_B:
             tl.store(db + t * N + j, tl.sum(gj * vt, axis=1).to(db.dtype.element_ty), mask=tm)
         if NEED_V:
-            dvt += tl.load(b + t * N + j, mask=tm, other=0.0).to(tl.float32)[:, None] * gj
+            dvt += _entry(b, t, j, N, tm)[:, None] * gj
         if NEED_A:
             for k in tl.static_range(N):
-                h = tl.load(H + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                h = _stream(H, t, k, d, N, D, mask)
                 s = tl.sum(gj * h, axis=1).to(dA.dtype.element_ty)
                 if TRANS:
                     tl.store(dA + (t * N + k) * N + j, s, mask=tm)
@@ -116,41 +132,34 @@ def _update_bwd(H, A, b, v, g, dH, dA, db, dv, T, D, N: tl.constexpr, BT: tl.con
             if HAS_A:
                 acc = tl.zeros([BT, BD], tl.float32)
                 for j in tl.static_range(N):
-                    gj = tl.load(g + (t[:, None] * N + j) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                    gj = _stream(g, t, j, d, N, D, mask)
                     acc += _coef(A, t, tm, j, k, N, TRANS)[:, None] * gj
             else:
-                acc = tl.load(g + (t[:, None] * N + k) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc = _stream(g, t, k, d, N, D, mask)
             tl.store(dH + (t[:, None] * N + k) * D + d[None, :], acc.to(dH.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gated_fwd(R, z, y, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    mask = (t < T)[:, None] & (d < D)[None, :]
+    t, d, _, mask = _token_block(T, D, BT, BD)
     acc = tl.zeros([BT, BD], tl.float32)
     for k in tl.static_range(N):
-        offs = (t[:, None] * N + k) * D + d[None, :]
-        r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        zk = tl.load(z + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sigmoid(zk) * r
+        acc += tl.sigmoid(_stream(z, t, k, d, N, D, mask)) * _stream(R, t, k, d, N, D, mask)
     tl.store(y + t[:, None] * D + d[None, :], (acc / N).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gated_bwd(R, z, g, dR, dz, T, D, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-               NEED_R: tl.constexpr, NEED_Z: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    mask = (t < T)[:, None] & (d < D)[None, :]
-    gn = tl.load(g + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32) / N
+               NEED_ROWS: tl.constexpr, NEED_WEIGHTS: tl.constexpr):
+    t, d, _, mask = _token_block(T, D, BT, BD)
+    gn = _row(g, t, d, D, mask) / N
     for k in tl.static_range(N):
         offs = (t[:, None] * N + k) * D + d[None, :]
-        s = tl.sigmoid(tl.load(z + offs, mask=mask, other=0.0).to(tl.float32))
-        if NEED_R:
+        s = tl.sigmoid(_stream(z, t, k, d, N, D, mask))
+        if NEED_ROWS:
             tl.store(dR + offs, (s * gn).to(dR.dtype.element_ty), mask=mask)
-        if NEED_Z:
-            r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        if NEED_WEIGHTS:
+            r = _stream(R, t, k, d, N, D, mask)
             tl.store(dz + offs, (gn * r * ((1.0 - s) * s)).to(dz.dtype.element_ty), mask=mask)
 
 
@@ -237,29 +246,35 @@ def _rows(H: torch.Tensor) -> torch.Tensor:
     return H.reshape(-1, n, D).contiguous()
 
 
-class TritonStreamMix(torch.autograd.Function):
+class TritonWeightedRows(torch.autograd.Function):
+    """A read ``[..., D]`` of the streams ``H`` ``[..., n, D]`` with their per-token weights
+    (``stream_mix``'s ``[..., n]``, or ``gated_mix``'s gate logits ``[..., n, D]``) on a pair of
+    kernels ``(forward, backward)``; both inputs kept as contiguous rows."""
+
     @staticmethod
-    def forward(ctx, H, w):
+    def forward(ctx, H, weights, kernels):
+        forward_kernel, ctx.backward_kernel = kernels
         rows = _rows(H)
         T, n, D = rows.shape
-        ctx.shapes = H.shape, w.shape
-        w = w.reshape(T, n).contiguous()
+        ctx.shapes = H.shape, weights.shape
+        weights = weights.reshape(T, *weights.shape[H.dim() - 2:]).contiguous()
         y = torch.empty(T, D, dtype=H.dtype, device=H.device)
-        _mix_fwd[_grid(T, BLOCK_T)](rows, w, y, T, D, N=n, BT=BLOCK_T, BD=triton.next_power_of_2(D))
-        ctx.save_for_backward(rows, w)
+        forward_kernel[_grid(T, BLOCK_T)](rows, weights, y, T, D, N=n, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+        ctx.save_for_backward(rows, weights)
         return y.view(*H.shape[:-2], D)
 
     @staticmethod
     def backward(ctx, g):
-        rows, w = ctx.saved_tensors
+        rows, weights = ctx.saved_tensors
         T, n, D = rows.shape
-        need_h, need_w = ctx.needs_input_grad
-        dH = torch.empty_like(rows) if need_h else None
-        dw = torch.empty_like(w) if need_w else None
-        _mix_bwd[_grid(T, BLOCK_T)](rows, w, g.reshape(T, D).contiguous(), dH, dw, T, D, N=n, BT=BLOCK_T,
-                                    BD=triton.next_power_of_2(D), NEED_H=need_h, NEED_W=need_w)
-        h_shape, w_shape = ctx.shapes
-        return (dH.view(h_shape) if need_h else None), (dw.view(w_shape) if need_w else None)
+        need_rows, need_weights, _ = ctx.needs_input_grad
+        d_rows = torch.empty_like(rows) if need_rows else None
+        d_weights = torch.empty_like(weights) if need_weights else None
+        ctx.backward_kernel[_grid(T, BLOCK_T)](rows, weights, g.reshape(T, D).contiguous(), d_rows, d_weights, T, D,
+                                               N=n, BT=BLOCK_T, BD=triton.next_power_of_2(D), NEED_ROWS=need_rows,
+                                               NEED_WEIGHTS=need_weights)
+        d_rows, d_weights = (None if d is None else d.view(shape) for d, shape in zip((d_rows, d_weights), ctx.shapes))
+        return d_rows, d_weights, None
 
 
 class TritonStreamUpdate(torch.autograd.Function):
@@ -296,31 +311,6 @@ class TritonStreamUpdate(torch.autograd.Function):
                 db.view(b_shape) if need_b else None, dv.view(v_shape) if need_v else None, None)
 
 
-class TritonGatedMix(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, R, z):
-        rows = _rows(R)
-        T, n, D = rows.shape
-        gates = z.reshape(T, n, D).contiguous()
-        y = torch.empty(T, D, dtype=R.dtype, device=R.device)
-        _gated_fwd[_grid(T, BLOCK_T)](rows, gates, y, T, D, N=n, BT=BLOCK_T, BD=triton.next_power_of_2(D))
-        ctx.save_for_backward(rows, gates)
-        ctx.shapes = R.shape, z.shape
-        return y.view(*R.shape[:-2], D)
-
-    @staticmethod
-    def backward(ctx, g):
-        rows, gates = ctx.saved_tensors
-        T, n, D = rows.shape
-        need_r, need_z = ctx.needs_input_grad
-        dR = torch.empty_like(rows) if need_r else None
-        dz = torch.empty_like(gates) if need_z else None
-        _gated_bwd[_grid(T, BLOCK_T)](rows, gates, g.reshape(T, D).contiguous(), dR, dz, T, D, N=n, BT=BLOCK_T,
-                                      BD=triton.next_power_of_2(D), NEED_R=need_r, NEED_Z=need_z)
-        r_shape, z_shape = ctx.shapes
-        return (dR.view(r_shape) if need_r else None), (dz.view(z_shape) if need_z else None)
-
-
 class TritonSinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, iterations):
@@ -347,7 +337,7 @@ class TritonSinkhorn(torch.autograd.Function):
 
 
 def stream_mix(H: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return TritonStreamMix.apply(H, w.to(H.dtype))
+    return TritonWeightedRows.apply(H, w.to(H.dtype), (_mix_fwd, _mix_bwd))
 
 
 def stream_update(H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor, v: torch.Tensor,
@@ -357,7 +347,7 @@ def stream_update(H: torch.Tensor, A: torch.Tensor | None, b: torch.Tensor, v: t
 
 
 def gated_mix(R: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    return TritonGatedMix.apply(R, z.to(R.dtype))
+    return TritonWeightedRows.apply(R, z.to(R.dtype), (_gated_fwd, _gated_bwd))
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
