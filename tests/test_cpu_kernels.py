@@ -4,14 +4,18 @@ strided sources, the thread count, the build and its cache, mixed dtypes. Their 
 the naive reference (shapes, ablations, gradcheck, frozen inputs, streams) run with every other
 backend's in ``test_backends.py``."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 from attnres import build_stream
+from attnres.cache import cache_dir
 from attnres.ops import backend, depth_attention, registry
-from attnres.ops.backends import cpu, cpu_build, cpu_streams
+from attnres.ops.backends import cpu_build, cpu_ops, cpu_streams
 from attnres.ops.backends.common import inverse_rms
 from attnres.ops.backends.naive import gated_mix_naive
 
@@ -150,37 +154,32 @@ def test_without_a_compiler_auto_warns_once_and_explicit_raises(monkeypatch, tmp
         registry._warned.clear()
 
 
-def test_a_failing_build_names_the_compiler_error(monkeypatch, tmp_path):
+def test_a_failing_build_names_the_compiler_error(tmp_path):
+    """In a process of its own: one that has loaded the kernels does not build them again."""
     fake = tmp_path / "fake-cxx"
     fake.write_text("#!/bin/sh\necho 'fake-cxx 1.0'\n[ \"$1\" = --version ] && exit 0\necho 'error: no space' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_build.load_library.cache_clear()
-    cpu_build.build_problem.cache_clear()
-    try:
-        problem = cpu_build.build_problem()
-        assert "failed to compile depth_attention_cpu.cpp" in problem and "error: no space" in problem
-        assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
-    finally:
-        cpu_build.load_library.cache_clear()
-        cpu_build.build_problem.cache_clear()
+    env = dict(os.environ, CXX=str(fake), ATTNRES_CACHE_DIR=str(tmp_path / "cache"))
+    code = "from attnres.ops.backends import cpu_build; print(cpu_build.build_problem())"
+    problem = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "failed to compile depth_attention_cpu.cpp" in problem and "error: no space" in problem
+    assert list((tmp_path / "cache").rglob("*.so")) == []  # no half-written library left behind
 
 
 @needs_kernels
-def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
-    cpu_build.load_library.cache_clear()
-    try:
-        cpu_build.load_library()
-        built = list(tmp_path.glob("attnres_cpu_*.so"))
-        assert len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
-        cpu_build.load_library.cache_clear()
-        cpu_build.load_library()  # found in the cache, not rebuilt
-        assert list(tmp_path.glob("attnres_cpu_*.so")) == built and built[0].stat().st_mtime_ns == stamp
-    finally:
-        cpu_build.load_library.cache_clear()
+def test_the_library_is_built_once_per_source_machine_and_torch(monkeypatch):
+    """The library loaded is the build its key names in the cache; a later process loads it as it
+    is (ninja finds nothing to do); another PyTorch gets a build of its own."""
+    library = cpu_build.load_library()
+    compiler = cpu_build.compiler()
+    key = cpu_build.build_key(compiler)
+    assert library == cache_dir() / "cpu_kernels" / key / f"attnres_cpu_{key}.so"
+    stamp = library.stat().st_mtime_ns
+    code = "from attnres.ops.backends import cpu_build; print(cpu_build.load_library())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(library) and library.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(torch, "__version__", "0.0.0+another")
+    assert cpu_build.build_key(compiler) != key
 
 
 @needs_kernels
@@ -357,8 +356,10 @@ def test_a_fused_read_norm_promotes_as_rms_norm(kind, options):
 # -- the custom ops: what a compiled graph calls --------------------------------------------------
 
 def op_cases(dt):
-    """One call of every ``attnres::cpu_*`` op on tiny inputs of dtype ``dt``, its arguments by
-    name: the fused norm, the sigmoid score without key norm, given logits, a gradient left out."""
+    """One call of every depth-attention ``attnres::cpu_*`` op on tiny inputs of dtype ``dt``, its
+    arguments by name: the fused norm, the sigmoid score without key norm, given logits, a gradient
+    left out, a backward for a ledger, a merge that keeps nothing."""
+    ops = cpu_ops.kernels()
     g = torch.Generator().manual_seed(11)
     lead, D, H = (2, 3), 8, 2
 
@@ -373,36 +374,39 @@ def op_cases(dt):
     no_norm = dict(norm_weight=None, norm_eps=None)
     attend = dict(qg=qg, sources=sources, logits=None, heads=H)
     softmax, sigmoid = dict(score="softmax", key_norm=True), dict(score="sigmoid", key_norm=False)
-    cases = [(cpu.attend_op, dict(**attend, inv_rms=inv_rms, **norm, **softmax)),
-             (cpu.attend_op, dict(**attend, inv_rms=[], **no_norm, **sigmoid)),
-             (cpu.attend_op, dict(qg=None, sources=fixed, inv_rms=[], logits=rand(3, 2, *lead, H),
+    cases = [(ops.cpu_attend, dict(**attend, inv_rms=inv_rms, **norm, **softmax)),
+             (ops.cpu_attend, dict(**attend, inv_rms=[], **no_norm, **sigmoid)),
+             (ops.cpu_attend, dict(qg=None, sources=fixed, inv_rms=[], logits=rand(3, 2, *lead, H),
                                   **no_norm, heads=H, score="softmax", key_norm=False))]
     with torch.no_grad():  # what backward is given: no graph
-        outs, lse, norm_rr = cpu.attend_op(**cases[0][1])
-    cases.append((cpu.attend_backward_op, dict(
+        outs, lse, norm_rr = ops.cpu_attend(**cases[0][1])
+    cases.append((ops.cpu_attend_backward, dict(
         grad_outs=[rand(*lead, D), None], grad_lse=rand(2, *lead, H), qg=qg.detach(),
         sources=fixed, inv_rms=inv_rms, lse=lse, norm_weight=weight.detach(), norm_rr=norm_rr,
         norm_eps=1e-5, heads=H, score="softmax", key_norm=True, sources_need=[True, False, True],
         qg_needs=True, weight_needs=True)))
+    cases.append((ops.cpu_attend_backward, dict(cases[-1][1], sources_need=[False, True, False], for_ledger=True)))
     o1, lse1 = rand(*lead, D, grad=True), rand(*lead, H, grad=True)
     partial, query = rand(*lead, D, grad=True), rand(D, grad=True)
     merge = dict(o1=o1, lse1=lse1, partial=partial, qg=query, heads=H, eps=1e-6)
-    cases += [(cpu.merge_op, dict(**merge, **norm, **softmax)),
-              (cpu.merge_op, dict(**merge, **no_norm, **sigmoid))]
+    cases += [(ops.cpu_merge, dict(**merge, **norm, **softmax)),
+              (ops.cpu_merge, dict(**merge, **no_norm, **sigmoid)),
+              (ops.cpu_merge, dict({k: t.detach() for k, t in merge.items() if torch.is_tensor(t)}, heads=H, eps=1e-6,
+                                   norm_weight=weight.detach(), norm_eps=1e-5, **softmax, keep=False))]
     with torch.no_grad():
-        out, h, s2, w, r, rr = cpu.merge_op(**cases[-2][1])
-    cases.append((cpu.merge_backward_op, dict(
+        out, h, s2, w, r, rr = ops.cpu_merge(**cases[-3][1])
+    cases.append((ops.cpu_merge_backward, dict(
         grad=rand(*lead, D), partial=partial.detach(), qg=query.detach(),
         norm_weight=weight.detach(), h=h, s2=s2, w=w, r=r, rr=rr, norm_eps=1e-5, heads=H, eps=1e-6,
         **softmax, o1_needs=True, lse1_needs=False, partial_needs=True, qg_needs=True,
         weight_needs=True)))
     v = rand(*lead, D)
-    cases.append((cpu.source_grad_op, dict(
+    cases.append((ops.cpu_source_grad, dict(
         source=v, inv_rms=inverse_rms(v), queries=[rand(2, D), rand(1, D)],
         lse=[rand(2, *lead, H), rand(1, *lead, H)], ds=[rand(2, *lead, H), rand(1, *lead, H)],
         grads=[rand(*lead, D), None, rand(*lead, D)], grad=rand(*lead, D), heads=H,
         score="softmax", key_norm=True)))
-    cases.append((cpu.decode_read_op, dict(
+    cases.append((ops.cpu_decode_read, dict(
         sources=rand(4, *lead, D), count=3, query=rand(D), heads=H, eps=1e-6, score="softmax",
         key_norm=True, base=rand(*lead, D), gate=0.5, norm_weight=rand(D), norm_eps=1e-5)))
     return cases
@@ -415,7 +419,7 @@ def test_every_custom_op_passes_opcheck(dt):
     shapes (``torch.library.opcheck``) of every op, on each of its kinds of call."""
     cases = op_cases(dt)
     names = ("attend", "attend_backward", "merge", "merge_backward", "source_grad", "decode_read")
-    assert {op._opoverload.name() for op, _ in cases} == {f"attnres::cpu_{n}" for n in names}
+    assert {op.default.name() for op, _ in cases} == {f"attnres::cpu_{n}" for n in names}
     for op, kwargs in cases:
         torch.library.opcheck(op, (), kwargs)
 
@@ -424,8 +428,9 @@ def test_every_custom_op_passes_opcheck(dt):
 @pytest.mark.parametrize("norm", [False, True], ids=["", "norm"])
 @pytest.mark.parametrize("score,key_norm", [("softmax", True), ("sigmoid", False)])
 def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
-    """A compiled graph calls the ops (``attend_via_ops``, ``merge_via_ops``); eager mode runs the
-    same kernels without the dispatcher: the same outputs and the same gradients, exactly."""
+    """A compiled graph calls the ops through their autograd formulas (``attend_via_ops``,
+    ``merge_via_ops``); eager mode calls them from autograd functions of its own: the same outputs
+    and the same gradients, exactly."""
     g = torch.Generator().manual_seed(7)
 
     def rand(*shape, dtype=torch.float32):
@@ -439,8 +444,8 @@ def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
     kw = dict(heads=3, score=score, key_norm=key_norm, norm=Norm(weight) if norm else None)
     prepared = [inverse_rms(v) for v in sources] if key_norm else None
     results = []
-    cpu_ops = backend("cpu")
-    for attend, merge in ((cpu_ops.attend, cpu_ops.merge), (cpu.attend_via_ops, cpu.merge_via_ops)):
+    cpu_backend = backend("cpu")
+    for attend, merge in ((cpu_backend.attend, cpu_backend.merge), (cpu_ops.attend_via_ops, cpu_ops.merge_via_ops)):
         outs, lse = attend(qs, sources, ks, prepared=prepared, **kw)
         h = merge(outs[1], lse[1], partial, qs[1], ks[1], **kw)
         picked = [outs[0], outs[2], h] + ([lse] if score == "softmax" else [])
@@ -455,9 +460,9 @@ def test_the_ops_equal_the_direct_calls(norm, score, key_norm):
             torch.testing.assert_close(b, a, atol=0, rtol=0)
     with torch.no_grad():
         buffer, query = rand(4, 2, 1, 12), rand(12)
-        want = cpu_ops.decode_read(buffer, 3, query, heads=3, score=score, key_norm=key_norm,
+        want = cpu_backend.decode_read(buffer, 3, query, heads=3, score=score, key_norm=key_norm,
                                    norm=kw["norm"])
-        got = cpu.decode_read_op(buffer, 3, query, 3, 1e-6, score, key_norm, None, 0.0,
+        got = cpu_ops.kernels().cpu_decode_read(buffer, 3, query, 3, 1e-6, score, key_norm, None, 0.0,
                                  weight if norm else None, 1e-5 if norm else None)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import BackendOps, cpu_build
+from .backends import BackendOps, cpu_ops
 
 SCORES = ("softmax", "sigmoid")
 ANY_DEVICE = "any"
@@ -118,13 +118,6 @@ def _load(name: str) -> BackendOps:
     return ops
 
 
-@torch.compiler.assume_constant_result
-def _cpu_setup() -> str | None:
-    """Why the CPU kernels cannot run here (``cpu_build.build_problem``). While ``torch.compile``
-    traces, it runs outside the graph and its answer is a constant of the graph."""
-    return cpu_build.build_problem()
-
-
 @functools.cache
 def _triton_setup() -> str | None:
     try:
@@ -140,7 +133,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
             preload=False),
     Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64),
-            scores_ahead=True, decodes=True, defers_source_grads=True, setup=_cpu_setup),
+            scores_ahead=True, decodes=True, defers_source_grads=True, setup=cpu_ops.build_problem),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
     Backend("naive", per_token_query=True, decodes=True),
 )}

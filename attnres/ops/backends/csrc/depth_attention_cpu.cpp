@@ -23,30 +23,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
-struct DepthArgs {
-  int64_t tokens, dim, n_src, n_q, heads;
-  const void* const* src;      // n_src pointers to rows of dim numbers
-  const int64_t* src_stride;   // per source: row stride (dim, or 0)
-  const void* const* rinv;     // per source: inverse RMS per token (unused without key norm)
-  const int64_t* rinv_stride;  // per source: 1, or 0
-  const void* qg;              // [S, D] queries with the key-norm gain folded in
-  const void* logits;          // [N, S, T, H] precomputed (read when logits_given), or null: scored per token
-  void* lse;                   // [S, T, H]
-  void* const* outs;           // forward: S pointers to [T, D]
-  const void* norm_w;          // [D] gain of query 0's norm, or null (no gain)
-  void* norm_rr;               // [T] inverse RMS of out_0 (null: no fused norm)
-  double norm_eps;
-  const void* const* g_out;    // backward: S pointers to dL/d(output s), null where unused
-  const void* g_lse;           // [S, T, H] or null
-  void* const* d_src;          // backward: N pointers to [T, D], null where not needed
-  void* d_qg;                  // [threads, S, D] partial sums, or null
-  void* d_norm_w;              // [threads, D] partial sums, or null
-  int32_t key_norm, sigmoid, logits_given, threads;
-  void* ds_out;                // backward: [N, S, T, H] dL/d logit, written when not null
-  void* g0_out;                // backward: [T, D] dL/d out_0 before its fused norm, written when not null
-};
+using attnres::cpu::DepthArgs;
+using attnres::cpu::MergeArgs;
+using attnres::cpu::SourceGradArgs;
 
 // 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON/SSE
 // registers elsewhere) for the dot products, whose partial sums an array would keep in memory.
@@ -371,22 +354,6 @@ void backward(const DepthArgs& a) {
 // with the logit and p recomputed as the read computed them. Layouts per read: qg [S, D]; this
 // source's ds [S, T, H]; lse [S, T, H]; S pointers to dL/d(output s) [T, D] (null
 // where unused), the reads' pointers one after another.
-struct SourceGradArgs {
-  int64_t tokens, dim, heads, n_reads;
-  const void* src;            // the source's rows
-  int64_t src_stride;         // dim, or 0
-  const void* rinv;           // its inverse RMS per token (null: no key norm)
-  int64_t rinv_stride;        // 1, or 0
-  const int64_t* n_q;         // per read: S
-  const void* const* qg;      // per read
-  const void* const* lse;     // per read
-  const void* const* ds;      // per read
-  const void* const* g;       // sum of the reads' S pointers
-  const void* grad_in;        // [T, D] added, or null
-  void* d_src;                // [T, D] written
-  int32_t sigmoid, threads;
-};
-
 template <typename F>
 void source_grad(const SourceGradArgs& a) {
   const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
@@ -436,30 +403,6 @@ void source_grad(const SourceGradArgs& a) {
 //   softmax: w = sigmoid(lse1 - s2), h = lerp(P, o1, w);  sigmoid: w = sigmoid(s2), h = o1 + w P,
 // optionally followed by the next sublayer's RMSNorm, y = (h * rr) * norm_w.
 // Layouts: o1, partial, h, y and the gradients [T, D]; lse1, s2, w, d_lse1 [T, H]; r, rr [T].
-struct MergeArgs {
-  int64_t tokens, dim, heads;
-  const void* o1;
-  const void* lse1;
-  const void* partial;
-  const void* qg;     // [D]: query with the key-norm gain folded in
-  double eps;         // key norm
-  void* h;            // forward: the merged read (null: not kept; then y must be set)
-  void* y;            // forward: its norm (null: no fused norm)
-  const void* norm_w; // [D] or null (no gain)
-  double norm_eps;
-  void* norm_rr;      // [T]: written by forward, read by backward (null: no fused norm)
-  void* s2;           // [T, H] (null: not kept)
-  void* w;            // [T, H]
-  void* r;            // [T]
-  const void* g;      // backward: dL/dy with a fused norm, else dL/dh
-  void* d_o1;         // each gradient output may be null (not needed)
-  void* d_lse1;
-  void* d_partial;
-  void* d_qg;         // [threads, D] partial sums
-  void* d_norm_w;     // [threads, D] partial sums
-  int32_t key_norm, sigmoid, threads;
-};
-
 template <typename F>
 void merge_forward(const MergeArgs& a) {
   const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
@@ -602,24 +545,45 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
 }
 }  // namespace
 
-extern "C" {
-void attnres_depth_forward_f32(const DepthArgs* a) { forward<float>(*a); }
-void attnres_depth_forward_f64(const DepthArgs* a) { forward<double>(*a); }
-void attnres_depth_backward_f32(const DepthArgs* a) { backward<float>(*a); }
-void attnres_depth_backward_f64(const DepthArgs* a) { backward<double>(*a); }
-void attnres_source_grad_f32(const SourceGradArgs* a) { source_grad<float>(*a); }
-void attnres_source_grad_f64(const SourceGradArgs* a) { source_grad<double>(*a); }
-void attnres_merge_forward_f32(const MergeArgs* a) { merge_forward<float>(*a); }
-void attnres_merge_forward_f64(const MergeArgs* a) { merge_forward<double>(*a); }
-void attnres_merge_backward_f32(const MergeArgs* a) { merge_backward<float>(*a); }
-void attnres_merge_backward_f64(const MergeArgs* a) { merge_backward<double>(*a); }
-#define DECODE_READ(NAME, F)                                                                                       \
-  void NAME(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* src, int64_t src_stride, const F* qg,   \
-            int32_t key_norm, double eps, int32_t sigmoid_score, const F* base, double gate, int32_t has_norm,    \
-            const F* norm_w, double norm_eps, F* out, int32_t threads) {                                          \
-    decode_read<F>(tokens, D, heads, n, src, src_stride, qg, key_norm, F(eps), sigmoid_score, base, F(gate),      \
-                   has_norm, norm_w, F(norm_eps), out, threads);                                                  \
-  }
-DECODE_READ(attnres_decode_read_f32, float)
-DECODE_READ(attnres_decode_read_f64, double)
+// The entry points (cpu_kernels.h), for float and double; `::` names this file's kernels above.
+namespace attnres::cpu {
+template <typename F>
+void depth_forward(const DepthArgs& a) {
+  forward<F>(a);
 }
+template <typename F>
+void depth_backward(const DepthArgs& a) {
+  backward<F>(a);
+}
+template <typename F>
+void source_grad(const SourceGradArgs& a) {
+  ::source_grad<F>(a);
+}
+template <typename F>
+void merge_forward(const MergeArgs& a) {
+  ::merge_forward<F>(a);
+}
+template <typename F>
+void merge_backward(const MergeArgs& a) {
+  ::merge_backward<F>(a);
+}
+template <typename F>
+void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* src, int64_t src_stride, const F* qg,
+                 int32_t key_norm, double eps, int32_t sigmoid_score, const F* base, double gate, int32_t has_norm,
+                 const F* norm_w, double norm_eps, F* out, int32_t threads) {
+  ::decode_read<F>(tokens, D, heads, n, src, src_stride, qg, key_norm, F(eps), sigmoid_score, base, F(gate), has_norm,
+                   norm_w, F(norm_eps), out, threads);
+}
+
+#define ATTNRES_DEPTH_ATTENTION(F)                                                                                    \
+  template void depth_forward<F>(const DepthArgs&);                                                                   \
+  template void depth_backward<F>(const DepthArgs&);                                                                  \
+  template void source_grad<F>(const SourceGradArgs&);                                                                \
+  template void merge_forward<F>(const MergeArgs&);                                                                   \
+  template void merge_backward<F>(const MergeArgs&);                                                                  \
+  template void decode_read<F>(int64_t, int64_t, int64_t, int64_t, const F*, int64_t, const F*, int32_t, double,     \
+                               int32_t, const F*, double, int32_t, const F*, double, F*, int32_t);
+ATTNRES_DEPTH_ATTENTION(float)
+ATTNRES_DEPTH_ATTENTION(double)
+#undef ATTNRES_DEPTH_ATTENTION
+}  // namespace attnres::cpu

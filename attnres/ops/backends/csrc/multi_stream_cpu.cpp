@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 // Lanes of a chunk: one 64-byte vector of F (16 fp32, 8 fp64). Sums over d run in LANES
@@ -700,63 +702,87 @@ void rms_norm_backward(int64_t rows, int64_t D, const F* x, const F* w, const F*
 
 }  // namespace
 
-extern "C" {
-#define ATTNRES_MULTI_STREAM(SUFFIX, F)                                                                          \
-  void attnres_stream_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks,  \
-                                           const F* w, F* y, int threads) {                                      \
-    with_side(n, [&](auto NN) { mix_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, y, threads); });      \
-  }                                                                                                              \
-  void attnres_stream_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, \
-                                            const F* w, const F* g, F* dH, F* dw, int threads) {                \
-    with_side(n, [&](auto NN) { mix_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, g, dH, dw, threads); });                                               \
-  }                                                                                                              \
-  void attnres_stream_update_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,          \
-                                              int64_t ks, const F* A, int trans, const F* b, const F* v, F* out, \
-                                              int threads) {                                                     \
-    with_side(n, [&](auto NN) {                                                                                  \
-      update_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, out, threads);                  \
-    });                                                                                                          \
-  }                                                                                                              \
-  void attnres_stream_update_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts,         \
-                                               int64_t ks, const F* A, int trans, const F* b, const F* v,        \
-                                               const F* g, F* dH, F* dA, F* db, F* dv, int threads) {            \
-    with_side(n, [&](auto NN) {                                                                        \
-      update_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);                  \
-    });                          \
-  }                                                                                                              \
-  void attnres_gated_mix_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y,       \
-                                          int threads) {                                                         \
-    gated_forward<F>(T, n, D, R, z, y, threads);                                                                 \
-  }                                                                                                              \
-  void attnres_gated_mix_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, \
-                                           F* dR, F* dz, int threads) {                                          \
-    gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);                                                        \
-  }                                                                                                              \
-  void attnres_gated_lowrank_forward_##SUFFIX(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, \
-                                              const F* upT, F* y, int threads) {                                   \
-    gated_lowrank_forward<F>(T, n, D, r, R, h, upT, y, threads);                                                   \
-  }                                                                                                              \
-  void attnres_gated_lowrank_backward_##SUFFIX(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h,\
-                                               const F* upT, const F* g, F* dR, F* dh, F* d_upT, int threads) {  \
-    gated_lowrank_backward<F>(T, n, D, r, R, h, upT, g, dR, dh, d_upT, threads);                                   \
-  }                                                                                                              \
-  void attnres_sinkhorn_forward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, F* p,            \
-                                         int threads) {                                                          \
-    with_side(n, [&](auto NN) { sinkhorn_forward<F, decltype(NN)::value>(B, n, iterations, x, p, threads); });                  \
-  }                                                                                                              \
-  void attnres_rms_norm_forward_##SUFFIX(int64_t rows, int64_t D, const F* x, const F* w, double eps, F* y,     \
-                                         F* rr, int threads) {                                                   \
-    rms_norm_forward<F>(rows, D, x, w, F(eps), y, rr, threads);                                                  \
-  }                                                                                                              \
-  void attnres_rms_norm_backward_##SUFFIX(int64_t rows, int64_t D, const F* x, const F* w, const F* rr,         \
-                                          const F* dy, F* dx, F* dw, int threads) {                              \
-    rms_norm_backward<F>(rows, D, x, w, rr, dy, dx, dw, threads);                                                \
-  }                                                                                                              \
-  void attnres_sinkhorn_backward_##SUFFIX(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp,    \
-                                          F* dx, int threads) {                                                  \
-    with_side(n, [&](auto NN) { sinkhorn_backward<F, decltype(NN)::value>(B, n, iterations, x, gp, dx, threads); });            \
-  }
-ATTNRES_MULTI_STREAM(f32, float)
-ATTNRES_MULTI_STREAM(f64, double)
-#undef ATTNRES_MULTI_STREAM
+// The entry points (cpu_kernels.h), for float and double; `::` names this file's kernels above.
+namespace attnres::cpu {
+template <typename F>
+void stream_mix_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* w, F* y,
+                        int threads) {
+  with_side(n, [&](auto NN) { mix_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, y, threads); });
 }
+template <typename F>
+void stream_mix_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* w, const F* g,
+                         F* dH, F* dw, int threads) {
+  with_side(n, [&](auto NN) { mix_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, w, g, dH, dw, threads); });
+}
+template <typename F>
+void stream_update_forward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A, int trans,
+                           const F* b, const F* v, F* out, int threads) {
+  with_side(n, [&](auto NN) {
+    update_forward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, out, threads);
+  });
+}
+template <typename F>
+void stream_update_backward(int64_t T, int64_t n, int64_t D, const F* H, int64_t ts, int64_t ks, const F* A,
+                            int trans, const F* b, const F* v, const F* g, F* dH, F* dA, F* db, F* dv, int threads) {
+  with_side(n, [&](auto NN) {
+    update_backward<F, decltype(NN)::value>(T, n, D, H, ts, ks, A, trans, b, v, g, dH, dA, db, dv, threads);
+  });
+}
+template <typename F>
+void gated_mix_forward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, F* y, int threads) {
+  gated_forward<F>(T, n, D, R, z, y, threads);
+}
+template <typename F>
+void gated_mix_backward(int64_t T, int64_t n, int64_t D, const F* R, const F* z, const F* g, F* dR, F* dz,
+                        int threads) {
+  gated_backward<F>(T, n, D, R, z, g, dR, dz, threads);
+}
+template <typename F>
+void gated_lowrank_forward(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, const F* upT, F* y,
+                           int threads) {
+  ::gated_lowrank_forward<F>(T, n, D, r, R, h, upT, y, threads);
+}
+template <typename F>
+void gated_lowrank_backward(int64_t T, int64_t n, int64_t D, int64_t r, const F* R, const F* h, const F* upT,
+                            const F* g, F* dR, F* dh, F* d_upT, int threads) {
+  ::gated_lowrank_backward<F>(T, n, D, r, R, h, upT, g, dR, dh, d_upT, threads);
+}
+template <typename F>
+void rms_norm_forward(int64_t rows, int64_t D, const F* x, const F* w, double eps, F* y, F* rr, int threads) {
+  ::rms_norm_forward<F>(rows, D, x, w, F(eps), y, rr, threads);
+}
+template <typename F>
+void rms_norm_backward(int64_t rows, int64_t D, const F* x, const F* w, const F* rr, const F* dy, F* dx, F* dw,
+                       int threads) {
+  ::rms_norm_backward<F>(rows, D, x, w, rr, dy, dx, dw, threads);
+}
+template <typename F>
+void sinkhorn_forward(int64_t B, int64_t n, int64_t iterations, const F* x, F* p, int threads) {
+  with_side(n, [&](auto NN) { ::sinkhorn_forward<F, decltype(NN)::value>(B, n, iterations, x, p, threads); });
+}
+template <typename F>
+void sinkhorn_backward(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp, F* dx, int threads) {
+  with_side(n, [&](auto NN) { ::sinkhorn_backward<F, decltype(NN)::value>(B, n, iterations, x, gp, dx, threads); });
+}
+
+#define ATTNRES_MULTI_STREAM(F)                                                                                       \
+  template void stream_mix_forward<F>(int64_t, int64_t, int64_t, const F*, int64_t, int64_t, const F*, F*, int);     \
+  template void stream_mix_backward<F>(int64_t, int64_t, int64_t, const F*, int64_t, int64_t, const F*, const F*,   \
+                                       F*, F*, int);                                                                  \
+  template void stream_update_forward<F>(int64_t, int64_t, int64_t, const F*, int64_t, int64_t, const F*, int,      \
+                                         const F*, const F*, F*, int);                                                \
+  template void stream_update_backward<F>(int64_t, int64_t, int64_t, const F*, int64_t, int64_t, const F*, int,     \
+                                          const F*, const F*, const F*, F*, F*, F*, F*, int);                         \
+  template void gated_mix_forward<F>(int64_t, int64_t, int64_t, const F*, const F*, F*, int);                        \
+  template void gated_mix_backward<F>(int64_t, int64_t, int64_t, const F*, const F*, const F*, F*, F*, int);         \
+  template void gated_lowrank_forward<F>(int64_t, int64_t, int64_t, int64_t, const F*, const F*, const F*, F*, int); \
+  template void gated_lowrank_backward<F>(int64_t, int64_t, int64_t, int64_t, const F*, const F*, const F*,         \
+                                          const F*, F*, F*, F*, int);                                                 \
+  template void rms_norm_forward<F>(int64_t, int64_t, const F*, const F*, double, F*, F*, int);                      \
+  template void rms_norm_backward<F>(int64_t, int64_t, const F*, const F*, const F*, const F*, F*, F*, int);         \
+  template void sinkhorn_forward<F>(int64_t, int64_t, int64_t, const F*, F*, int);                                   \
+  template void sinkhorn_backward<F>(int64_t, int64_t, int64_t, const F*, const F*, F*, int);
+ATTNRES_MULTI_STREAM(float)
+ATTNRES_MULTI_STREAM(double)
+#undef ATTNRES_MULTI_STREAM
+}  // namespace attnres::cpu
