@@ -36,6 +36,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,10 @@ def load_library() -> Path:
     defined); ``BuildError`` saying why not."""
     from torch.utils import cpp_extension  # imports setuptools: only when the kernels are wanted
 
+    if shutil.which("ninja") is None and (Path(sys.executable).parent / "ninja").exists():
+        # cpp_extension runs the ninja on PATH: the environment's own (the ninja package) when a
+        # virtual environment's interpreter runs without the environment on PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     if not cpp_extension.is_ninja_available():
         raise BuildError("ninja is not installed (pip install ninja): cpp_extension builds with it")
     cxx = compiler()
