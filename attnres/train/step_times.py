@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .parallel_plan import run_plan
-from .trainer import load_data, start, start_processes, train_step
+from . import trainer
 
 #: timed rounds (one step of every design each): few, as the timing only scales the multipliers
 STEP_TIME_ROUNDS = 5
@@ -32,15 +32,16 @@ def time_steps(configs: dict[str, TrainConfig], baseline: str, corpus, scratch: 
     runs = {}
     try:
         for label, cfg in configs.items():
-            cfg, data = load_data(cfg, scratch / label.replace(":", "+"), corpus)
-            runs[label] = start(cfg, scratch / label.replace(":", "+"), data, start_processes(cfg, run_plan(cfg, 1)))
+            folder = scratch / label.replace(":", "+")
+            cfg, data = trainer.load_data(cfg, folder, corpus)
+            runs[label] = trainer.start(cfg, folder, data, trainer.start_processes(cfg, run_plan(cfg, 1)))
         labels = list(runs)
         for label in labels:  # one untimed step each: first-call allocations and caches
-            train_step(runs[label], 0, False)
+            trainer.train_step(runs[label], 0, False)
         seconds: dict[str, list[float]] = {label: [] for label in labels}
         for r in range(rounds):
             for label in labels if r % 2 == 0 else reversed(labels):
-                seconds[label].append(train_step(runs[label], 1 + r, False).seconds)
+                seconds[label].append(trainer.train_step(runs[label], 1 + r, False).seconds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {}
