@@ -5,13 +5,12 @@ The model and batch of ``attnres compare``'s demo preset (dim 96, 8 layers, 16 s
 16 x 128, fp32), each design as ``names.DESIGNS`` builds it; a step is forward, backward and
 AdamW, as in ``train/steps.py`` without the trainer's logging. After ``--warmup`` steps,
 ``--steps`` steps run under ``torch.profiler`` (CPU activities): per step, the wall time, the
-number of operator calls (top-level ATen calls, those the Python code makes; the calls inside
-them are not counted again), the time spent inside them, and the rest (Python, autograd's
-engine between nodes, the allocator, and the C++ kernels, which are ctypes calls outside ATen);
-then ``--steps`` more under cProfile for ``kernels_ms``, the time in the C++ kernels
-(``kernel_time``), and ``--steps`` more timing each kernel call by its name (``kernel_split``,
-written to ``<csv>_kernels.csv``). ``--top`` lists the operators with the most self time beyond
-PreNorm's.
+number of operator calls (top-level ATen and ``attnres::`` calls, those the Python code makes;
+the calls inside them are not counted again), the time spent inside them, and the rest (Python,
+autograd's engine between nodes, the allocator); ``kernels_ms``, the self time of the C++
+kernels' operators (``attnres::cpu_*``), and per kernel its time and calls (``kernel_split``,
+written to ``<csv>_kernels.csv``), from the same profile. ``--top`` lists the operators with the
+most self time beyond PreNorm's.
 
     python benchmarks/demo_profile.py
     python benchmarks/demo_profile.py --designs prenorm mhc --top 15
@@ -21,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -66,73 +62,36 @@ def profile_design(design: str, warmup: int, steps: int):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    events = [e for e in prof.events() if e.name.startswith("aten::") and not _has_aten_parent(e)]
+    events = [e for e in prof.events() if e.name.startswith(OPERATORS) and not _has_operator_parent(e)]
     self_by_op = collections.Counter()
     for e in prof.events():
-        if e.name.startswith("aten::"):
+        if e.name.startswith(OPERATORS):
             self_by_op[e.name] += e.self_cpu_time_total / 1e3 / steps  # ms per step
     inside = sum(e.cpu_time_total for e in events) / 1e3 / steps
+    kernels = kernel_split(prof.events(), steps)
     return dict(design=design, step_ms=plain * 1e3, op_calls=len(events) / steps, in_ops_ms=inside,
-                outside_ops_ms=None, kernels_ms=kernel_time(step, steps)), self_by_op, kernel_split(step, steps)
+                outside_ops_ms=None, kernels_ms=sum(ms for ms, _ in kernels.values())), self_by_op, kernels
 
 
-def kernel_time(step, steps: int) -> float:
-    """Milliseconds per step in the C++ kernels, from cProfile: the own time of the Python
-    functions that make the ctypes calls (``cpu._call``, and the functions of ``cpu_streams``),
-    which is the foreign call's time and a few microseconds of their own per call."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, prim, tottime, cumtime, callers)
-    own = sum(tottime for (path, _, name), (_, _, tottime, _, _) in stats.items()
-              if path.endswith(os.path.join("backends", "cpu.py")) and name == "_call"
-              or path.endswith(os.path.join("backends", "cpu_streams.py")))
-    return own * 1e3 / steps
-
-
-def kernel_split(step, steps: int) -> dict[str, tuple[float, float]]:
-    """``{kernel: (ms per step, calls per step)}`` of the C++ kernels over ``steps`` more steps,
-    each foreign call timed under its name (``cpu._call``'s depth-attention kernels and the
-    functions ``cpu_streams._kernel`` hands out)."""
-    from attnres.ops.backends import cpu, cpu_streams
-
+def kernel_split(events, steps: int) -> dict[str, tuple[float, float]]:
+    """``{kernel: (ms per step, calls per step)}`` of the C++ kernels' operators
+    (``attnres::cpu_*``) among a profile's ``events`` over ``steps`` steps: their self time."""
     spent, calls = collections.Counter(), collections.Counter()
-
-    def record(name: str, start: float) -> None:
-        spent[name] += time.perf_counter() - start
-        calls[name] += 1
-
-    depth_call, stream_kernel = cpu._call, cpu_streams._kernel
-
-    def timed_call(name, dtype, args):
-        start = time.perf_counter()
-        depth_call(name, dtype, args)
-        record(name, start)
-
-    def timed_kernel(name, dtype):
-        fn = stream_kernel(name, dtype)
-
-        def call(*args):
-            start = time.perf_counter()
-            fn(*args)
-            record(name, start)
-        return call
-
-    cpu._call, cpu_streams._kernel = timed_call, timed_kernel
-    try:
-        for _ in range(steps):
-            step()
-    finally:
-        cpu._call, cpu_streams._kernel = depth_call, stream_kernel
-    return {name: (1e3 * spent[name] / steps, calls[name] / steps) for name in spent}
+    for e in events:
+        if e.name.startswith("attnres::cpu_"):
+            spent[e.name] += e.self_cpu_time_total
+            calls[e.name] += 1
+    return {name: (spent[name] / 1e3 / steps, calls[name] / steps) for name in spent}
 
 
-def _has_aten_parent(event) -> bool:
+#: the operators whose calls are counted: PyTorch's and the package's kernels
+OPERATORS = ("aten::", "attnres::")
+
+
+def _has_operator_parent(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if parent.name.startswith(OPERATORS):
             return True
         parent = parent.cpu_parent
     return False
@@ -169,7 +128,7 @@ def main() -> None:
     for design in args.designs[1:]:
         extra = {op: ms - by_op["prenorm"].get(op, 0.0) for op, ms in by_op[design].items()}
         top = sorted(extra.items(), key=lambda kv: -kv[1])[: args.top]
-        print(f"{design}: self ms per step beyond prenorm: " + ", ".join(f"{op[6:]} {ms:.1f}" for op, ms in top))
+        print(f"{design}: self ms per step beyond prenorm: " + ", ".join(f"{op.split('::')[1]} {ms:.1f}" for op, ms in top))
     if by_kernel:
         print_table(by_kernel, ["design", "kernel", "ms_per_step", "calls_per_step"])
     print(f"wrote {write_csv(args.csv, rows)}")

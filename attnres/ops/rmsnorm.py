@@ -115,7 +115,7 @@ class RMSNormProjectFunction(torch.autograd.Function):
     products at very different speeds by layout: ``x @ W`` is formed with ``W`` as the transposed
     view of a contiguous ``[C, K]`` copy (a few KiB) and ``dW`` as ``(dz^T @ x)^T``, the layouts
     that took 0.525 of the time at 4 columns and lost nothing at 20 and 24 (docs/BENCHMARKS.md,
-    "Training step at the size of ``attnres compare``", K2); the numbers differ only in rounding."""
+    "Multi-stream ops", K2); the numbers differ only in rounding."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):

@@ -87,10 +87,10 @@ def _weighted_sums(weights, sources, lead, H, dh):
     """``out_s = sum_j weights[j, s] * sources[j]`` for every query ``s``: weights ``[N, S, ..., H]``
     -> ``S x [..., H, Dh]`` in the weights' dtype.
 
-    One accumulator per query, visited source by source (each source is converted once): a
-    single ``[S, ..., D]`` accumulator is slower when the sources sit in cache (docs/BENCHMARKS.md,
-    "Tuning"). Per query the products and their order are the same either way. The first
-    product allocates each accumulator."""
+    One accumulator per query, visited source by source (each source is converted once), rather
+    than a single ``[S, ..., D]`` accumulator: neither form is faster within the measured spread
+    (docs/BENCHMARKS.md, "Tuning choices in the code"). Per query the products and their order
+    are the same either way. The first product allocates each accumulator."""
     weights = weights.unsqueeze(-1)
     accs = []
     for j, v in enumerate(sources):
