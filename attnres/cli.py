@@ -41,7 +41,7 @@ def _preset_name(name: str) -> str:
 
 def _design_label(label: str) -> str:
     """``--designs`` and ``--baseline``: a design's label, ``name[:field=value:...]``. An unknown
-    name is refused here, with the words of ``train/compare.py``'s ``parse_design``, which checks
+    name is refused here, with the words of ``train/designs.py``'s ``parse_design``, which checks
     the rest (the options, and a name of characters no label may hold) once the command runs."""
     name = label.partition(":")[0]
     if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS:

@@ -339,5 +339,6 @@ def match_param_groups(saved: list[dict], current: list[dict]) -> list[dict]:
     want = [g.get("name") for g in current]
     if sorted(by_name, key=str) != sorted(want, key=str) or len(by_name) != len(named):
         raise ValueError(f"the optimizer state holds the parameter groups {[g['name'] for g in named]}, the "
-                         f"model's optimizer {want}")
+                         f"model's optimizer {want} (optim.query_lr_scale of 1 or not decides whether the "
+                         f"query_projection group exists: resume with the run's own side of 1)")
     return [by_name[name] for name in want]

@@ -35,7 +35,8 @@ class ModelConfig:
     per-token work), ``block_size``, ``num_blocks`` (default 8) or
     ``block_sizes`` (uneven blocks, in sublayers, e.g. ``(4, 4, 6, 2)``),
     ``two_phase`` (block/delta), ``streams`` (hc/mhc/gr), ``sinkhorn_iterations`` (mhc),
-    ``gr_rank`` (GR's ``rank``), ``mixing`` and ``window`` (full). Each applies only to the kinds
+    ``gr_rank`` (GR's ``rank``), ``mixing``, ``window`` and ``window_output`` (full), and with
+    ``query="input"`` ``query_scale`` and ``query_gate`` (full/block/delta). Each applies only to the kinds
     that take it: setting one for another kind is an error, so nothing is silently ignored.
 
     ``norm_eps`` is the epsilon of every RMSNorm the stream owns, as given

@@ -70,7 +70,7 @@ def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path):
 
 @pytest.mark.parametrize("over,message", [
     (["--over", "model.n_layers=2,3", "--over", "model.dim=32"], "zipped by position"),
-    (["--over", "model.block_size=2,4"], "a residual option is a design's own setting"),
+    (["--over", "model.block_size=2,4"], "the residual design and its options are the designs' own"),
     (["--over", "model.n_layers"], "give SECTION.FIELD=V1,V2"),
     ([], "needs at least one --over"),
     (["--over", "model.n_layers=2,x"], "model.n_layers"),
@@ -102,3 +102,37 @@ def test_a_sweep_stopped_by_a_signal_resumes_where_it_stopped(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads((root / "sweep.json").read_text())["complete"]
     assert (root / "point-0" / "results.json").read_text() == first  # the finished point was kept
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budgets", "1"], "at least one larger multiple"),
+    (["--budgets", "1", "1.3"], "must be a whole number of steps"),  # tiny's 8 steps x 1.3
+])
+def test_budgets_that_measure_nothing_or_no_whole_step_are_refused(tmp_path, args, message):
+    out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", *args, "--out", str(tmp_path))
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("over", ["run.seed=1,2", "run.name=a,b", "optim.decay_fraction=0.1,0.2"])
+def test_a_sweep_over_what_the_comparison_sets_or_what_does_nothing_is_refused(tmp_path, over):
+    out = cli_in_process("sweep", "--over", over, *TINY, "--designs", "prenorm", "block", "--out", str(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_comparison_inside_its_data_folder_stays_out_of_the_corpus(tmp_path):
+    from attnres.train.config import DataConfig
+    from attnres.train.data import load_corpus
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    (data / "b.txt").write_text("class A:\n    pass\n" * 400)
+    config = DataConfig(source=str(data))
+    before = load_corpus(config, 256)
+    runs = data / "runs" / "compare-1"
+    runs.mkdir(parents=True)
+    (runs / "compare.json").write_text("{}")
+    (runs / "report.md").write_text("# a report\n" * 300)
+    after = load_corpus(config, 256)
+    assert len(after.train) == len(before.train) and len(after.val) == len(before.val)

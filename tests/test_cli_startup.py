@@ -26,7 +26,7 @@ except SystemExit as exit_:
 print(json.dumps({"code": code or 0, "torch": "torch" in sys.modules}), file=sys.stderr)
 """
 
-SUBCOMMANDS = ("compare", "train", "generate", "report", "convert", "export", "eval", "serve")
+SUBCOMMANDS = ("compare", "sweep", "train", "generate", "report", "convert", "export", "eval", "serve")
 DESIGNS = r"\['block', 'delta', 'denseformer', 'full', 'gr', 'hc', 'mhar', 'mhc', 'prenorm'\]"
 
 

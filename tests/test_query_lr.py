@@ -65,3 +65,28 @@ def test_a_query_lr_scale_without_input_queries_is_refused():
     out = cli_in_process("train", "--preset", "tiny", "--set", "optim.query_lr_scale=0.1")
     assert out.returncode == 2 and "optim.query_lr_scale=0.1 scales the learning rate" in out.stderr
     assert "model.query='static'" in out.stderr
+
+
+def test_a_resume_with_another_scale_trains_at_the_new_one(tmp_path):
+    """The checkpoint's groups load with the checkpoint's settings; the run's own scale wins."""
+    import dataclasses
+
+    from attnres import Transformer
+    from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
+    from attnres.train.resume import ResumePoint, restore
+    from attnres.train.run_dir import load_run_config
+    from attnres.train.trainer import build_optimizer
+
+    run = tmp_path / "run"
+    out = cli_in_process("train", *INPUT_QUERY, "--set", "optim.query_lr_scale=2.0", "--run-dir", str(run))
+    assert out.returncode == 0, out.stderr
+    cfg = load_run_config(run)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, query_lr_scale=4.0))
+    path = latest_checkpoint(run / "checkpoints")
+    weights, state = load_checkpoint(path, cfg.model)
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(cfg.optim, model)
+    assert state["optimizer"]["param_groups"][2]["lr_scale"] == 2.0
+    restore(ResumePoint(path, weights, state), model, optimizer, cfg, False)
+    assert {g["name"]: g.get("lr_scale") for g in optimizer.param_groups} == {
+        "decay": None, "no_decay": None, "query_projection": 4.0}

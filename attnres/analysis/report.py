@@ -185,13 +185,15 @@ def _options_section(c: Comparison) -> list[str]:
 
 
 def _loss_section(c: Comparison, plt) -> list[str]:
-    """Why step times are left out, then the validation loss curves (``loss_curves.png``)."""
+    """Why the runs' step times are left out, then the validation loss curves (``loss_curves.png``)."""
     plot_loss_curves(plt, c.designs, c.root / "loss_curves.png")
     return [
         "",
-        "Step times are not reported: the designs train one after another on a shared machine, so "
-        "their times move with the machine's load (0.4x to 1.25x between two identical runs). "
-        "`benchmarks/train_step.py` times them interleaved, several rounds (`docs/BENCHMARKS.md`).",
+        "The runs' step times are not reported: the designs train one after another on a shared machine, "
+        "so their times move with the machine's load (0.4x to 1.25x between two identical runs). "
+        "`benchmarks/train_step.py` times them interleaved, several rounds (`docs/BENCHMARKS.md`)"
+        + ("; with `--budgets` the comparison times them so before training (below)." if c.results.get("budgets")
+           else "."),
         "",
         "## Validation loss",
         "",
@@ -320,8 +322,9 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     artifacts. ``baseline``: the design the others are compared with (default: the one the
     comparison chose, see ``choose_baseline``). The report's sections, in order: the header
     (with, for an incomplete comparison, what it lacks) and summary table, the designs'
-    options, the validation loss, the depth weights, the expert load, growth over depth, the
-    width probe; for a comparison without a seed that every design finished, what it lacks."""
+    options, the validation loss, the compute-equivalent multipliers (with ``--budgets``), the
+    depth weights, the expert load, growth over depth, the width probe; for a comparison without
+    a seed that every design finished, what it lacks."""
     plt = pyplot()
     c = load_comparison(compare_dir, baseline)
     if not c.runs:  # no seed finished by every design

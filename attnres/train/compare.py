@@ -87,6 +87,14 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
     """Every setting of a comparison checked before any work (``compare``'s arguments)."""
     check_run(base)
     budgets = None if budgets is None else check_budgets(budgets)
+    if budgets is not None:
+        if len(budgets) < 2:
+            raise ValueError(f"--budgets {budgets}: give 1 and at least one larger multiple (e.g. 1 1.5 2 3): the "
+                             f"baseline's curve needs two points")
+        uneven = [b for b in budgets if abs(base.run.steps * b - round(base.run.steps * b)) > 1e-9]
+        if uneven:
+            raise ValueError(f"--budgets {uneven}: run.steps={base.run.steps} times each multiple must be a whole "
+                             f"number of steps, so that each budget run trains exactly its multiple")
     designs, seeds = list(designs), list(seeds)
     for name, values in (("designs", designs), ("seeds", seeds)):
         if not values or len(set(values)) != len(values):

@@ -129,10 +129,14 @@ def is_run_file(path: Path, root: Path) -> bool:
     in a folder that holds a run's lock (``.lock``, made as the run starts). A run folder
     inside its own data folder (``--data D --run-dir D/run``) would otherwise add its config,
     summary and tokenizer to the corpus once it has written them: a resumed run would train on
-    other data than it started on."""
+    other data than it started on. A comparison's or a sweep's folder inside the data folder
+    (``compare --data D --out D/runs``: ``compare.json`` or ``sweep.json`` beside its runs) is
+    left out whole, its report and results with it."""
     rel = path.relative_to(root).parts
     for depth in range(len(rel)):
         folder = root.joinpath(*rel[:depth])
+        if depth and ((folder / "compare.json").is_file() or (folder / "sweep.json").is_file()):
+            return True
         if (folder / LOCK_FILE).is_file():
             name = rel[depth]
             if name in RUN_FILES or (depth == len(rel) - 1 and name.startswith("bpe-") and name.endswith(".json")):

@@ -91,8 +91,11 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
     ``model`` (this rank's part), the optimizer's state, the RNG; returns the step to continue
     from and the gradient-norm statistics. A checkpoint of any layout loads into any other: a
     sharded one through DCP (``sharded.load_sharded``), a one-process one into one process as it
-    was saved, or into each rank's part (``sharded.load_full``, ``distributed``)."""
+    was saved, or into each rank's part (``sharded.load_full``, ``distributed``). Each group's
+    learning-rate scale is the run's settings', not the checkpoint's: a resume with another
+    ``optim.query_lr_scale`` trains at the new one."""
     state = point.state
+    scales = {g.get("name"): g.get("lr_scale") for g in optimizer.param_groups}
     try:
         if point.weights is None:
             load_sharded(point.path, model, optimizer)
@@ -114,6 +117,11 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
             if any(isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape for v in moments.values()):
                 raise CheckpointError(f"{point.path / 'state.pt'}: its optimizer state holds moments of another "
                                       f"shape than the model's parameters")
+    for group in optimizer.param_groups:  # loading took the saved groups' settings
+        if scales.get(group.get("name")) is None:
+            group.pop("lr_scale", None)
+        else:
+            group["lr_scale"] = scales[group["name"]]
     torch.set_rng_state(state["rng"])
     return state["step"], LayerGradNorms.from_state(state)
 

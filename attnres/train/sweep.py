@@ -28,10 +28,12 @@ from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import new_folder, plan_comparison, resume_comparison, run_comparison
 from .config import TrainConfig, apply_overrides, from_dict, to_dict
+from .validate import check_given
 
 SWEEP_FILE = "sweep.json"
-#: fields that are a design's, not the comparison's: a sweep over them would change designs within a point
-NOT_SWEPT = ("model.residual", *(f"model.{name}" for name in MODEL_OPTIONS))
+#: fields that are a design's, not the comparison's (a sweep over them would change designs within
+#: a point), and fields a comparison sets itself (the seeds, its runs' names and folders)
+NOT_SWEPT = ("model.residual", *(f"model.{name}" for name in MODEL_OPTIONS), "run.seed", "run.name", "run.out_dir")
 
 
 def parse_over(over: list[str]) -> dict[str, list[str]]:
@@ -46,9 +48,10 @@ def parse_over(over: list[str]) -> dict[str, list[str]]:
         if key in fields:
             raise ValueError(f"--over names {key} twice: give each field once, its values comma-separated")
         if key in NOT_SWEPT:
-            raise ValueError(f"--over {key}: a residual option is a design's own setting; a sweep changes what every "
-                             f"design of a point shares (sizes, steps, data). Give the designs options instead "
-                             f"(e.g. block:block_size=4)")
+            raise ValueError(f"--over {key}: a sweep changes what every design of a point shares (sizes, steps, "
+                             f"data); the residual design and its options are the designs' own (e.g. "
+                             f"block:block_size=4), the seeds are --seeds', and run.name and run.out_dir the "
+                             f"comparison's own")
         fields[key] = [v.strip() for v in values.split(",")]
         if any(not v for v in fields[key]):
             raise ValueError(f"--over {item!r}: an empty value")
@@ -67,8 +70,11 @@ def sweep_points(fields: dict[str, list[str]]) -> list[dict[str, str]]:
 
 
 def point_config(base: TrainConfig, point: dict[str, str]) -> TrainConfig:
-    """``base`` with a point's values applied (as ``--set`` applies them)."""
-    return apply_overrides(base, [f"{key}={value}" for key, value in point.items()])
+    """``base`` with a point's values applied (as ``--set`` applies them), a swept setting that
+    would do nothing in it refused (``validate.check_given``)."""
+    cfg = apply_overrides(base, [f"{key}={value}" for key, value in point.items()])
+    check_given(cfg, point)
+    return cfg
 
 
 @dataclass
