@@ -189,7 +189,7 @@ def _loss_section(c: Comparison, plt) -> list[str]:
     plot_loss_curves(plt, c.designs, c.root / "loss_curves.png")
     return [
         "",
-        "The runs' step times are not reported: the designs train one after another on a shared machine, "
+        "Step times are not reported from the runs: the designs train one after another on a shared machine, "
         "so their times move with the machine's load (0.4x to 1.25x between two identical runs). "
         "`benchmarks/train_step.py` times them interleaved, several rounds (`docs/BENCHMARKS.md`)"
         + ("; with `--budgets` the comparison times them so before training (below)." if c.results.get("budgets")
