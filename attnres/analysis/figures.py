@@ -23,6 +23,13 @@ def pyplot():
     return plt
 
 
+def save_figure(plt, fig, path) -> None:
+    """``fig`` laid out and written to ``path`` (PNG, 120 dpi), then closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_loss_curves(plt, designs, path):
     """Each design's validation loss: the mean over seeds, with a band from the lowest to the
     highest seed where there are several."""
@@ -42,9 +49,7 @@ def plot_loss_curves(plt, designs, path):
                                       if any(len(r) > 1 for r in designs.values()) else ""))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def plot_depth_weights(plt, name, analysis, path):
@@ -114,9 +119,7 @@ def plot_per_depth(plt, designs, key, ylabel, title, xlabel, path):
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def plot_budget_curve(plt, results, baseline, path):
@@ -146,6 +149,4 @@ def plot_budget_curve(plt, results, baseline, path):
     ax.set_xlabel(f"{baseline}'s budget (multiple of the steps)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)

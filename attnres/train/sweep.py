@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.comparison import load_index
+from ..analysis.figures import pyplot, save_figure
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import new_folder, plan_comparison, resume_comparison, run_comparison
@@ -213,8 +214,6 @@ def summarize_sweep(root: Path, index: dict) -> list[dict]:
 def draw_sweep(root: Path, index: dict) -> Path:
     """``sweep.png``: each design's gap to the baseline (final loss, nats) against the swept value
     (the first ``--over`` field), with its paired 95% interval."""
-    from ..analysis.figures import pyplot
-
     plt = pyplot()
     field = next(iter(index["over"]))
     xs = list(range(len(index["summary"])))
@@ -235,9 +234,7 @@ def draw_sweep(root: Path, index: dict) -> Path:
     ax.set_xlabel(field)
     ax.set_ylabel(f"final loss - {baseline} (nats/token)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     path = root / "sweep.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return path
 
