@@ -20,6 +20,7 @@ import sys
 import threading
 
 from . import commands
+from .files import pause_at
 from .names import DEFAULT_DESIGNS, DESIGNS, PRESET_NAMES
 
 
@@ -208,16 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
 #: the points of start-up where ``ATTNRES_PAUSE_AT`` stops it, in order: before the parser, after
 #: parsing, after the command's modules (PyTorch among them) loaded, as the command starts to run
 PAUSE_POINTS = ("start", "parsed", "loaded", "running")
-
-
-def pause_at(point: str) -> None:
-    """With ``ATTNRES_PAUSE_AT=POINT`` (one of ``PAUSE_POINTS``), stop there: ``attnres: paused at
-    POINT`` on stderr, then wait for a signal. A test sends its Ctrl-C at a known point of
-    start-up this way, not after a guessed delay."""
-    if os.environ.get("ATTNRES_PAUSE_AT") == point:
-        print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
-        while True:
-            signal.pause()  # a handler that returns (none here does) would wait again
 
 
 def _end_at_once(signum, frame) -> None:

@@ -73,7 +73,9 @@ PARTIAL, OLD = "partial", "old"
 
 def pause_at(point: str) -> None:
     """With ``ATTNRES_PAUSE_AT=POINT``, stop there: ``attnres: paused at POINT`` on stderr, then
-    wait for a signal. A test sends its signal while a folder is half written this way."""
+    wait for a signal. A test sends its signal at a known point this way (of the command line's
+    start-up, ``cli.PAUSE_POINTS``; while a folder is half written, ``written``), not after a
+    guessed delay."""
     if os.environ.get("ATTNRES_PAUSE_AT") == point:
         print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
         while True:
