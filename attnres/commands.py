@@ -168,7 +168,7 @@ def cmd_train(args) -> int:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second
         run_dir = Path(cfg.run.out_dir) / run_folder_name(cfg)
     elif run_dir is None:  # a default name, made here so that no other command takes it too
-        from .train.compare import new_folder
+        from .files import new_folder
 
         parent = Path(cfg.run.out_dir)
         made = [p for p in (parent, *parent.parents) if not p.exists()]  # rmdir'ed in this order

@@ -3,6 +3,7 @@ written whole or not at all (``replace_folder``: exports and conversions)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -201,3 +202,18 @@ def replace_folder(dst: Path, fill) -> None:
         finally:
             if tmp is not None and tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def new_folder(parent: Path, stem: str) -> Path:
+    """A new folder ``parent/stem``, or ``stem-2``, ``stem-3``, ... when that name is taken:
+    made with one ``mkdir`` each (atomic), so that two commands started in the same second
+    never share a default folder."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = parent / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")

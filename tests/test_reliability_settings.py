@@ -153,7 +153,7 @@ def test_generate_from_a_gpu_backend_run_on_the_cpu(triton_run, no_triton_on_cpu
 def test_default_folders_never_collide(tmp_path):
     """Two commands started in the same second took the same default folder (``compare-...``
     exists; a run folder "in use by process ..."): each now gets its own, made atomically."""
-    from attnres.train.compare import new_folder
+    from attnres.files import new_folder
 
     first, second, third = (new_folder(tmp_path / "runs", "compare-20261204-220544") for _ in range(3))
     assert [p.name for p in (first, second, third)] == [

@@ -30,7 +30,7 @@ import torch
 from ..analysis.budget import budget_run_label, check_budgets
 from ..analysis.capture import capture_analysis
 from ..analysis.report import check_report_dependencies, choose_baseline, load_index, run_name, write_report
-from ..files import read_json
+from ..files import new_folder, read_json
 from ..model import ModelConfig, Transformer
 from ..names import DEFAULT_DESIGNS
 from .checkpoint import latest_checkpoint, load_checkpoint
@@ -128,21 +128,6 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
     for label in plan.budget_runs:  # a longer run's seeds must still fit (max_seed)
         check_run(plan.run_config(label, max(seeds)))
     return plan
-
-
-def new_folder(parent: Path, stem: str) -> Path:
-    """A new folder ``parent/stem``, or ``stem-2``, ``stem-3``, ... when that name is taken:
-    made with one ``mkdir`` each (atomic), so that two commands started in the same second
-    never share a default folder."""
-    parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        path = parent / (stem if n == 1 else f"{stem}-{n}")
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        return path
-    raise AssertionError("unreachable")
 
 
 @dataclass

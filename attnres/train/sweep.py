@@ -25,9 +25,10 @@ from pathlib import Path
 
 from ..analysis.comparison import load_index
 from ..analysis.figures import pyplot, save_figure
+from ..files import new_folder
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
-from .compare import new_folder, plan_comparison, resume_comparison, run_comparison
+from .compare import plan_comparison, resume_comparison, run_comparison
 from .config import TrainConfig, apply_overrides, from_dict, to_dict
 from .validate import check_given
 
