@@ -34,7 +34,7 @@ from ..files import new_folder, read_json
 from ..model import ModelConfig, Transformer
 from ..names import DEFAULT_DESIGNS
 from .checkpoint import latest_checkpoint, load_checkpoint
-from .config import TrainConfig, from_dict, to_dict
+from .config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
 from .data import batch_at, load_corpus
 from .designs import check_labels, check_overrides, design_config, design_options, optim_fields
 from .lock import FolderLock
@@ -104,7 +104,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
     top = max_seed(base.run.steps)
     if any(s > top for s in seeds):
         raise ValueError(f"seeds {seeds} must be integers in [0, {top}] (run.seed: each step's data seed, "
-                         f"run.seed * 1000003 + step, must fit in a 64-bit integer)")
+                         f"run.seed * {DATA_SEED_STRIDE} + step, must fit in a 64-bit integer)")
     check_labels(designs)
     baseline = choose_baseline(designs, baseline)
     check_report_dependencies(len(seeds))

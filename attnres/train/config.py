@@ -68,6 +68,12 @@ class OptimConfig:
     query_lr_scale: float = 1.0
 
 
+#: the data seed of batch ``index`` of a run seeded ``run.seed`` is ``seed * DATA_SEED_STRIDE +
+#: index`` (``data.batch_at``), a signed 64-bit integer for the generator that draws the batch
+#: (``validate.max_seed`` bounds the seed by it)
+DATA_SEED_STRIDE = 1_000_003
+
+
 @dataclass
 class RunConfig:
     """Budget, batching, evaluation, checkpoints and placement of one run.

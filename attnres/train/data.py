@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import cache_dir
+from .config import DATA_SEED_STRIDE
 from .lock import LOCK_FILE
 from .run_dir import RUN_FILES
 
@@ -295,7 +296,7 @@ def check_length(tokens: np.ndarray, seq_len: int, split: str) -> None:
 def batch_at(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int):
     """Batch number ``index`` of a run seeded ``seed``: ``(inputs, targets)`` ``[B, T]`` int64
     at offsets drawn from a generator seeded by ``(seed, index)`` alone."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    g = torch.Generator().manual_seed(seed * DATA_SEED_STRIDE + index)
     return random_batch(tokens, batch_size, seq_len, g)
 
 

@@ -16,6 +16,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from ..analysis.comparison import label_path
 from .config import TrainConfig
 from .parallel_plan import run_plan
 from . import trainer
@@ -32,7 +33,7 @@ def time_steps(configs: dict[str, TrainConfig], baseline: str, corpus, scratch: 
     runs = {}
     try:
         for label, cfg in configs.items():
-            folder = scratch / label.replace(":", "+")
+            folder = scratch / label_path(label)
             cfg, data = trainer.load_data(cfg, folder, corpus)
             runs[label] = trainer.start(cfg, folder, data, trainer.start_processes(cfg, run_plan(cfg, 1)))
         labels = list(runs)

@@ -29,7 +29,7 @@ import torch
 
 from ..model import ModelConfig
 from ..streams import build_stream
-from .config import DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
+from .config import DATA_SEED_STRIDE, DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
 from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, run_plan
 
 
@@ -158,11 +158,6 @@ def check_agreement(cfg: TrainConfig) -> None:
             torch.device(r.device)
         except RuntimeError:
             raise ValueError(f"run.device={r.device!r} must be 'auto' or a torch device such as 'cpu' or 'cuda:0'") from None
-
-
-#: the data seed of step ``step`` is ``seed * DATA_SEED_STRIDE + step`` (``data.batch_at``), a
-#: signed 64-bit integer for the generator that draws the batch
-DATA_SEED_STRIDE = 1_000_003
 
 
 def max_seed(steps: int) -> int:
