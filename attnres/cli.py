@@ -128,6 +128,9 @@ def _add_train(sub) -> None:
     p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")
+    p.add_argument("--from", dest="init_from", metavar="MODEL_DIR",
+                   help="continue training the model of a Hugging Face folder (attnres convert or export, or a "
+                        "Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder); the preset gives optim, run and data")
     p.set_defaults(fn=commands.cmd_train, loads=("attnres.train.trainer",))
 
 

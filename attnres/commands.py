@@ -19,10 +19,15 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def config_from_args(args, assignments=None, base=None):
+def config_from_args(args, assignments=None, base=None, init_from: Path | None = None):
     """The preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
     assignments (or ``assignments``) applied together: checked as one whole, so their order
-    never matters, and a setting that would not be applied is refused."""
+    never matters, and a setting that would not be applied is refused. With ``init_from`` (a
+    model folder, ``train --from``) the run trains that folder's model: it has no model section
+    (a ``--set model.*`` is refused by name) and reads the folder's tokenizer unless
+    ``data.tokenizer`` is given (the bytes for a folder without one)."""
+    import dataclasses
+
     from .train.config import apply_overrides, preset
     from .train.validate import check_given, check_run
 
@@ -30,8 +35,20 @@ def config_from_args(args, assignments=None, base=None):
     if assignments is None:
         assignments = args.set or []
     given = ([f"data.source={args.data}"] if args.data else []) + list(assignments)
-    cfg = apply_overrides(cfg, given)
     keys = {a.partition("=")[0].strip() for a in given}
+    model_keys = sorted(k for k in keys if k.startswith("model."))
+    if model_keys and (init_from is not None or cfg.model is None):
+        folder = init_from or cfg.init_from
+        raise ValueError(f"--set {model_keys[0]}: the run trains the model of {folder} as that folder holds it; "
+                         f"its model.* settings are the folder's (convert or export another folder to change them)")
+    cfg = apply_overrides(cfg, given)
+    if init_from is not None:
+        tokenizer = cfg.data.tokenizer
+        if "data.tokenizer" not in keys:
+            has_tokenizer = any((init_from / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+            tokenizer = "model" if has_tokenizer else "byte"
+        cfg = dataclasses.replace(cfg, model=None, init_from=str(init_from.expanduser().resolve()),
+                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     source = Path(cfg.data.source).expanduser()
     token_files = (source / "train.bin").is_file()
     if "model.vocab_size" in keys and not token_files:
@@ -48,7 +65,7 @@ def run_folder_name(cfg) -> str:
     timestamp; a name that is not one folder name is refused."""
     import time
 
-    name = cfg.run.name or cfg.model.residual
+    name = cfg.run.name or (cfg.model.residual if cfg.model is not None else Path(cfg.init_from).name)
     if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name.startswith("-"):
         raise ValueError(f"run.name={name!r} must be one folder name: no '/', not '.' or '..', not starting "
                          f"with '-'")
@@ -148,6 +165,9 @@ def cmd_train(args) -> int:
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --run-dir and --overwrite starts it over: give one")
+    if args.resume and args.init_from:
+        raise ValueError("--from starts a run from a model folder and --resume continues a run, which knows its "
+                         "folder: give one")
     if args.resume:
         if not args.run_dir:
             raise ValueError("--resume continues the run in --run-dir: give its folder")
@@ -161,8 +181,13 @@ def cmd_train(args) -> int:
         # layout) and --data (refused by train unless it is the run's own) applied
         cfg = config_from_args(args, base=resumed_layout(load_run_config(run_dir), args.set or []))
     else:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, init_from=Path(args.init_from) if args.init_from else None)
         run_dir = Path(args.run_dir) if args.run_dir else None
+    folder = None
+    if cfg.init_from is not None:  # the folder's model, read by the layer that knows its format
+        from .hf.training import folder_model
+
+        folder = folder_model(cfg.init_from)
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second
@@ -175,7 +200,7 @@ def cmd_train(args) -> int:
         run_dir = new_folder(parent, run_folder_name(cfg))
         made.insert(0, run_dir)
     try:
-        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
+        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, folder=folder)
     except BaseException:
         # refused before its first step: the folders made for it go too (rmdir: only when empty)
         with contextlib.suppress(OSError):

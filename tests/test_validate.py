@@ -41,7 +41,7 @@ CASES = [
     ({"run.batch_size": 4.0}, None, "run.batch_size=4.0 must be an integer in [1, inf)"),
     ({"optim.lr": float("inf")}, None, "optim.lr=inf must be in (0, inf)"),
     ({"data.val_fraction": 1.0}, None, "data.val_fraction=1.0 must be in (0, 1)"),
-    ({"data.tokenizer": "word"}, None, "data.tokenizer='word' must be one of ('byte', 'bpe')"),
+    ({"data.tokenizer": "word"}, None, "data.tokenizer='word' must be one of ('byte', 'bpe', 'model')"),
     ({"run.pp_microbatches": 0}, None, "run.pp_microbatches=0 must be an integer in [1, inf) or None"),
     ({"run.pp_schedule": "pipedream"}, None,
      "run.pp_schedule='pipedream' must be one of ('gpipe', '1f1b', 'interleaved1f1b', 'loopedbfs', 'zbv', 'dualpipev')"),

@@ -9,7 +9,9 @@ grouped-query attention, SwiGLU, RMSNorm, no biases), each weight renamed (``LLA
 stream's effective epsilon as ``rms_norm_eps``, a tied embedding as ``tie_word_embeddings``. The checkpoint
 may come from any layout: one process's, or the shards of a pipelined or FSDP2 run, read here in
 one process. ``OUT`` is checked before any work (a folder with files is refused unless
-``overwrite``), written beside itself and renamed into place when complete.
+``overwrite``), written beside itself and renamed into place when complete. A run that
+continued a folder's model (``train --from``) is written as that folder's architecture, with its
+tokenizer (``training.export_folder_run``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
         raise ValueError(f"--format {format!r} is not one of {FORMATS}")
     run_dir, out = Path(run_dir), Path(out)
     cfg = load_run_config(run_dir)
+    if cfg.init_from is not None:  # a run that continued a folder's model goes back to that architecture
+        if format != "attnres":
+            raise ValueError(f"--format {format!r} applies to attnres's own runs; {run_dir} continued the model of "
+                             f"{cfg.init_from} and is exported as that folder's architecture: leave --format out")
+        from .training import export_folder_run
+
+        return export_folder_run(run_dir, out, cfg, overwrite)
     if format == "llama":
         llama_config(cfg.model)  # refused before any weight is read
     if cfg.data.tokenizer != "byte":

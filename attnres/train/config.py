@@ -117,10 +117,15 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig
+    """A run's settings. ``model`` builds attnres's own ``Transformer``; a run that continues
+    training a saved folder (``attnres train --from``) names it in ``init_from`` (an absolute
+    path) and has no ``model`` section: its model is the folder's (``train/folder_model.py``)."""
+
+    model: ModelConfig | None
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    init_from: str | None = None
 
 
 # -- presets ---------------------------------------------------------------------------------
@@ -318,10 +323,11 @@ def from_dict(d: dict) -> TrainConfig:
     """Rebuild a config saved with ``to_dict``; unknown keys are an error."""
     try:
         return TrainConfig(
-            model=ModelConfig(**d["model"]),
+            model=None if d["model"] is None else ModelConfig(**d["model"]),
             data=DataConfig(**{**SAVED_BEFORE["data"], **d["data"]}),
             optim=OptimConfig(**d["optim"]),
             run=RunConfig(**d["run"]),
+            init_from=d.get("init_from"),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a valid attnres training config: {exc}") from None

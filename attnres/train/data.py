@@ -250,8 +250,10 @@ def encode(tok, data: np.ndarray) -> np.ndarray:
 
 # -- entry point -----------------------------------------------------------------------------
 
-def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None) -> Corpus:
-    """The corpus ``cfg`` (a ``DataConfig``) describes, tokenized."""
+def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokenizer=None) -> Corpus:
+    """The corpus ``cfg`` (a ``DataConfig``) describes, tokenized: with ``tokenizer="model"``
+    by ``tokenizer`` (a model folder's, ``encode(text) -> ids``; ``model_vocab_size`` its
+    model's vocabulary)."""
     src = cfg.source
     utf8 = cfg.tokenizer == "bpe" and cfg.decode_errors == "strict"  # BPE reads text, bytes need no check
     if src == "stdlib":
@@ -267,14 +269,20 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None) -> Corp
             raise ValueError(f"data path {path} does not exist")
         if path.is_dir() and (path / "train.bin").exists():
             if cfg.tokenizer != "byte":
-                raise ValueError(f"{path} holds pre-tokenized files; data.tokenizer must stay 'byte'")
+                raise ValueError(f"{path} holds pre-tokenized files; data.tokenizer={cfg.tokenizer!r} must stay 'byte'")
             train, val = token_file_corpus(path, model_vocab_size)
             return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], model_vocab_size,
                           f"token files in {path}")
         train, val = text_corpus(path, cfg.val_fraction, None, None, utf8)
         desc = f"text from {path}"
     vocab, tok_path = 256, None
-    if cfg.tokenizer == "bpe":
+    if cfg.tokenizer == "model":
+        from .folder_model import encode_text
+
+        train, val = encode_text(tokenizer, train, cfg.max_train_tokens), encode_text(tokenizer, val, cfg.max_val_tokens)
+        vocab = model_vocab_size
+        desc += ", the model's tokenizer"
+    elif cfg.tokenizer == "bpe":
         key = hashlib.sha256(desc.encode() + str(len(train)).encode()).hexdigest()[:12]
         tok, tok_path = train_bpe(train, cfg.bpe_vocab_size, key, bpe_dir)
         train, val, vocab = encode(tok, train), encode(tok, val), tok.get_vocab_size()

@@ -106,9 +106,10 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, wrapping: str) -> nn.Module:
+def wrap(model: nn.Module, wrapping: str, units: list[nn.Module] | None = None) -> nn.Module:
     """``model`` as a plan's ``wrapping`` says (``parallel_plan.ParallelPlan.wrapping``): in DDP
-    or FSDP2 over every process; the model itself for ``none`` (one process)."""
+    or FSDP2 over every process; the model itself for ``none`` (one process). FSDP2 shards
+    ``units`` one by one before the whole (default: the ``Transformer``'s sublayers)."""
     if wrapping == "none":
         return model
     if wrapping == "ddp":
@@ -121,9 +122,10 @@ def wrap(model: nn.Module, wrapping: str) -> nn.Module:
 
         # the sublayers are the modules whose forward runs (a Layer only groups them), so they
         # are the units whose parameters are gathered just in time
-        for layer in model.layers:
-            fully_shard(layer.attn)
-            fully_shard(layer.mlp)
+        if units is None:
+            units = [m for layer in model.layers for m in (layer.attn, layer.mlp)]
+        for unit in units:
+            fully_shard(unit)
         fully_shard(model)
         return model
     raise ValueError(f"wrapping {wrapping!r} is not one of ('none', 'ddp', 'fsdp'); a pipeline wraps its stages itself")

@@ -210,10 +210,11 @@ def _check_cache(setting: str, residual: str, per_rank: int) -> bool:
     return setting == "on"
 
 
-def plan_parallel(config: ModelConfig, processes: int = 1, *, pp_size: int = 1, schedule: str = "1f1b",
+def plan_parallel(config: ModelConfig | None, processes: int = 1, *, pp_size: int = 1, schedule: str = "1f1b",
                   stages_per_rank: int | None = None, split=None, microbatches: int | None = None,
                   cache: str = "auto", parallel: str = "ddp", batch: int | None = None) -> ParallelPlan:
-    """The plan of a job of ``processes`` ranks for a model of ``config``, every option checked
+    """The plan of a job of ``processes`` ranks for a model of ``config`` (None: a model read
+    from a folder, ``train --from``, whose one stage the plan does not count in sublayers), every option checked
     before any process waits on another (``ValueError`` naming the option, its value and what
     it accepts): ``pp_size`` ranks per pipeline dividing the processes; ``schedule``,
     ``stages_per_rank``, ``split`` (sublayers per stage), ``microbatches`` (per step, default one
@@ -224,7 +225,9 @@ def plan_parallel(config: ModelConfig, processes: int = 1, *, pp_size: int = 1, 
         raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"run.parallel={parallel!r} is not one of {PARALLEL_MODES}")
-    n = config.num_sublayers
+    if config is None and pp_size != 1:  # a folder's model (train --from): its layers are not cut
+        raise ValueError(f"run.pp_size={pp_size}: a model read from a folder is not pipelined")
+    n = 0 if config is None else config.num_sublayers
     if pp_size == 1:
         whole = (Stage(0, 0, n, 0),)
         return ParallelPlan(processes, 1, parallel, None, whole, 1, False, (), n)

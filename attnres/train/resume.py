@@ -65,6 +65,9 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
         weights, state = None, load_train_state(path, cfg.model)
     else:
         weights, state = load_checkpoint(path, cfg.model)
+    if state["config"].get("init_from") != cfg.init_from:
+        raise ValueError(f"--resume continues the run in {run_dir}, which continued the model of "
+                         f"{state['config'].get('init_from')}, and the run given continues {cfg.init_from}")
     saved_run = state["config"].get("run")
     changed = _same_run(saved_run if isinstance(saved_run, dict) else {}, cfg)
     if changed:

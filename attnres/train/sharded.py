@@ -111,7 +111,7 @@ def _tied_alias(model: nn.Module) -> tuple[str, str]:
     rank that holds the head without the embedding knows it as ``lm_head.weight``."""
     inner = getattr(model, "module", model)
     config = getattr(inner, "config", None)
-    if config is not None and config.tie_embeddings and inner.tok_embeddings is None and inner.lm_head is not None:
+    if getattr(config, "tie_embeddings", False) and inner.tok_embeddings is None and inner.lm_head is not None:
         return "lm_head.weight", "tok_embeddings.weight"
     return "", ""
 
@@ -223,23 +223,33 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
-def read_weights(path: Path, config: ModelConfig) -> dict:
+def read_weights(path: Path, config: ModelConfig | None, model: nn.Module | None = None) -> dict:
     """The whole model's weights (name -> CPU tensor) from sharded checkpoint ``path``, read in
-    one process: what ``generate``, ``export`` and a comparison's analysis load."""
-    with torch.device("meta"):
-        model = Transformer(config, initialize=False)
-    model.to_empty(device="cpu")
-    if config.tie_embeddings:
-        model.lm_head.weight = model.tok_embeddings.weight
+    one process: what ``generate``, ``export`` and a comparison's analysis load. The weights
+    are those of a ``Transformer`` of ``config``, or (``config`` None) of ``model``, a folder's
+    model on the CPU (``train --from``), whose own tensors are overwritten."""
+    if config is None:
+        if model is None:
+            raise CheckpointError(f"{path}: a run that continued a folder's model is read with that model")
+    else:
+        with torch.device("meta"):
+            model = Transformer(config, initialize=False)
+        model.to_empty(device="cpu")
+        if config.tie_embeddings:
+            model.lm_head.weight = model.tok_embeddings.weight
     state = {"model": model.state_dict()}
     _read(state, path, "does not hold the weights of the run's model")
     return state["model"]
 
 
-def full_optimizer_names(config: ModelConfig, optim) -> list[str]:
+def full_optimizer_names(config: ModelConfig | None, optim, model: nn.Module | None = None) -> list[str]:
     """The whole model's parameter names in the order one process's optimizer numbers them
     (``param_groups`` for the ``OptimConfig`` ``optim``: the decaying ones, then the others, then
-    any scaled query projections)."""
+    any scaled query projections), for a ``Transformer`` of ``config``, or (``config`` None) for
+    ``model`` itself, a folder's model every rank holds whole or in shards of the same names."""
+    if config is None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [names[id(p)] for group in param_groups(model, optim.weight_decay) for p in group["params"]]
     with torch.device("meta"):
         model = Transformer(config, initialize=False)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -248,13 +258,13 @@ def full_optimizer_names(config: ModelConfig, optim) -> list[str]:
 
 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict,
-              config: ModelConfig, optim) -> None:
+              config: ModelConfig | None, optim) -> None:
     """Load a one-process checkpoint (the whole model's ``weights`` and its optimizer's
     ``state_dict``, parameters numbered) into this rank's part: the names it holds picked out,
     FSDP2's shards cut from them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    numbered = full_optimizer_names(config, optim)
+    numbered = full_optimizer_names(config, optim, model)
     local, saved = _tied_alias(model)
     as_held = {saved: local} if local else {}  # a tied embedding this rank knows by the head's name
     name_of = {**{k: n for k, n in enumerate(numbered)}, **{n: n for n in numbered}}  # numbered, or by name

@@ -38,6 +38,7 @@ from . import lock
 from .checkpoint import latest_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
+from .folder_model import FolderExperts, FolderModel, check_fits, logits_of
 from .materialize import rank_model
 from .parallel_plan import ParallelPlan, run_plan
 from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups
@@ -98,26 +99,42 @@ def start_processes(cfg: TrainConfig, plan: ParallelPlan) -> Placement:
     return Placement(plan, info, groups.replica_index, groups.replica_count, groups)
 
 
-def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None) -> tuple[TrainConfig, Corpus]:
-    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``), and
-    ``cfg`` with the corpus's vocabulary size; both splits hold a sequence."""
+def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
+              folder: FolderModel | None = None) -> tuple[TrainConfig, Corpus]:
+    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``; the
+    tokenizer of the ``folder`` a run continues, ``data.tokenizer='model'``), and ``cfg`` with
+    the corpus's vocabulary size (a folder's model keeps its own, which must hold every token);
+    both splits hold a sequence."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
-    if corpus.vocab_size != cfg.model.vocab_size:
-        cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
+    if folder is not None:
+        corpus = corpus or load_corpus(cfg.data, folder.vocab_size, bpe_dir=run_dir, tokenizer=folder.tokenizer)
+        if corpus.vocab_size > folder.vocab_size:
+            raise ValueError(f"the data's tokenizer ({cfg.data.tokenizer}) has {corpus.vocab_size} tokens and the "
+                             f"model in {folder.folder} embeds {folder.vocab_size}: use data.tokenizer='model' "
+                             f"(the folder's tokenizer)")
+    else:
+        corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
+        if corpus.vocab_size != cfg.model.vocab_size:
+            cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
     check_length(corpus.train, cfg.run.seq_len, "training")
     check_length(corpus.val, cfg.run.seq_len, "validation")
     return cfg, corpus
 
 
-def build_model(cfg: TrainConfig, place: Placement) -> tuple[Transformer, nn.Module, nn.Module, Pipeline | None]:
+def build_model(cfg: TrainConfig, place: Placement,
+                folder: FolderModel | None = None) -> tuple[nn.Module, nn.Module, nn.Module, Pipeline | None]:
     """``(model, wrapped, forward, pipe)``: the model, initialized from ``run.seed`` on this
     process's device (one process's values under every layout; a distributed rank builds it on
     the meta device and materializes only its part, ``materialize.rank_model``); ``wrapped`` in
     DDP/FSDP2 when data parallel (the model itself in a pipeline); ``forward``, what a
     micro-batch's loss runs through (``wrapped``, compiled with ``run.compile``); ``pipe``, this
-    rank's stages of the pipeline, or None."""
+    rank's stages of the pipeline, or None. A ``folder``'s model (``train --from``) is read
+    whole by every rank, with the folder's weights (FSDP2 then keeps each rank's shards)."""
     r, device, plan = cfg.run, place.info.device, place.plan
+    if folder is not None:
+        model = folder.build(torch.device("cpu") if plan.wrapping == "fsdp" else device)
+        wrapped = dist.wrap(model, plan.wrapping, folder.fsdp_units(model))
+        return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
     # FSDP2 moves each module it shards to the device and keeps the shard: the part waits on the host
     if plan.pipelined:
         part = plan.part(plan.pipeline_rank(place.info.rank))
@@ -153,21 +170,25 @@ class Run:
     """What the parts of one run share. ``start`` makes it; ``restore`` sets ``start_step`` and
     ``grad_norms`` from a checkpoint; each step advances the weights and ``grad_norms``.
     ``cfg`` carries the corpus's vocabulary size; ``experts`` is the MoE side of the steps (None
-    for a dense model)."""
+    for a dense model); ``model`` is a ``Transformer``, or the model of ``folder``."""
 
     cfg: TrainConfig
     run_dir: Path
     place: Placement
     corpus: Corpus
-    model: Transformer
+    model: nn.Module
     wrapped: nn.Module
     forward: nn.Module
     pipe: Pipeline | None
     optimizer: torch.optim.Optimizer
     autocast: Callable
-    experts: ExpertSteps | None
+    experts: ExpertSteps | FolderExperts | None
     grad_norms: LayerGradNorms = field(default_factory=LayerGradNorms)
     start_step: int = 0
+    #: the folder whose model the run continues (``train --from``), or None
+    folder: FolderModel | None = None
+    #: called after each optimizer step with the step (0-based) and ``model`` (``train``'s ``on_step``)
+    on_step: Callable | None = None
 
     @property
     def info(self) -> dist.DistInfo:
@@ -193,7 +214,7 @@ class Run:
         """One micro-batch's loss through ``forward`` (for MoE, with the weighted balance loss)."""
         if self.experts is not None:
             return self.experts.loss(self.forward, xs, ys)
-        return lm_loss(self.forward(xs), ys)
+        return lm_loss(self.forward(xs), ys)  # a folder's dense model returns logits alone too
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (``resume.save``)."""
@@ -205,15 +226,20 @@ class Run:
         return micro_step(self.wrapped, k < self.cfg.run.grad_accum - 1, self.autocast)
 
 
-def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement) -> Run:
+def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement, folder: FolderModel | None = None) -> Run:
     """Everything a run needs before its first step, on the processes ``place`` and the data
-    ``corpus`` (``load_data``) that ``train`` made and checked: the model and the optimizer."""
-    model, wrapped, forward, pipe = build_model(cfg, place)
+    ``corpus`` (``load_data``) that ``train`` made and checked: the model (``folder``'s, for a
+    run that continues one) and the optimizer."""
+    model, wrapped, forward, pipe = build_model(cfg, place, folder)
     optimizer = build_optimizer(cfg.optim, model)
     device = place.info.device
-    experts = ExpertSteps(model, cfg.run.grad_accum, device) if cfg.model.moe_experts else None
+    if folder is not None:
+        experts = None if folder.balance_weight is None else FolderExperts(cfg.run.grad_accum, device,
+                                                                             folder.balance_weight)
+    else:
+        experts = ExpertSteps(model, cfg.run.grad_accum, device) if cfg.model.moe_experts else None
     return Run(cfg, run_dir, place, corpus, model, wrapped, forward, pipe, optimizer,
-               autocast_for(device, cfg.run.autocast), experts)
+               autocast_for(device, cfg.run.autocast), experts, folder=folder)
 
 
 # -- 4. the steps ----------------------------------------------------------------------------
@@ -264,7 +290,7 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
         grad_norm = run.pipe.clip_gradients(o.grad_clip)
     else:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), o.grad_clip))
-    if step >= int(r.steps * 0.9) and not run.info.distributed:
+    if step >= int(r.steps * 0.9) and not run.info.distributed and run.folder is None:
         run.grad_norms.add(run.model)
     run.optimizer.step()
     if run.experts is None:
@@ -293,7 +319,7 @@ def evaluate(model, tokens, cfg: TrainConfig, info: dist.DistInfo, autocast, dp_
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         x, y = x[rows].to(info.device), y[rows].to(info.device)
         with autocast():
-            losses.append(pipe.evaluate(x, y) if pipe is not None else lm_loss(model(x), y))
+            losses.append(pipe.evaluate(x, y) if pipe is not None else lm_loss(logits_of(model(x)), y))
     model.train(was_training)
     return float(dist.mean_across_ranks(torch.stack(losses).mean()))
 
@@ -347,6 +373,8 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
             logging = done % r.log_every == 0 or done == r.steps
             result = train_step(run, step, logging)
             progress.add(done, result)
+            if run.on_step is not None:
+                run.on_step(step, run.model)
             if progress.footprint is None:
                 progress.footprint = rank_footprint(run.model, run.optimizer)
             if bar is not None:
@@ -394,13 +422,14 @@ def summarize(run: Run, progress: Progress) -> dict:
     time and throughput over this job's steps, peak memory, mean per-layer gradient norms."""
     tokens_per_step = run.tokens_per_step
     steps_run = max(1, progress.done - run.start_step)
+    folder = run.folder
     return dict(
-        residual=run.cfg.model.residual,
+        residual=run.cfg.model.residual if folder is None else folder.architecture,
         steps=progress.done,
         tokens=progress.done * tokens_per_step,
         final_train_loss=progress.last_loss,
         final_val_loss=progress.val_loss,
-        parameters=parameter_count(run.cfg.model),
+        parameters=parameter_count(run.cfg.model) if folder is None else folder.parameters,
         step_time_s=progress.step_time / steps_run,
         tokens_per_s=tokens_per_step * steps_run / progress.step_time if progress.step_time else float("nan"),
         peak_memory_mib=peak_memory_mib(run.info.device),
@@ -410,6 +439,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         world_size=run.info.world_size,
         parallel=run.place.plan.describe(),
         ranks=rank_entries(run, progress),
+        **({} if folder is None else dict(init_from=folder.describe())),
     )
 
 
@@ -427,15 +457,16 @@ def rank_entries(run: Run, progress: Progress) -> list[dict]:
 
 
 def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: ParallelPlan,
-             problem: Exception | None) -> tuple[TrainConfig, Corpus, Placement]:
+             problem: Exception | None, folder: FolderModel | None = None) -> tuple[TrainConfig, Corpus, Placement]:
     """The checks that need the data, then the processes: the data (``load_data``) and the
     memory the model needs (``check_memory``), unless ``problem`` (the lock refused) already
     stops the run; every rank learns of any rank's refusal once the process group starts
     (``dist.agree``), so that none waits on one that left."""
     if problem is None:
         try:
-            cfg, corpus = load_data(cfg, run_dir, corpus)
-            check_memory(cfg, dist.pick_device(cfg.run.device), plan)
+            cfg, corpus = load_data(cfg, run_dir, corpus, folder)
+            if folder is None:  # a folder's model is read whole by each rank: its size is the folder's
+                check_memory(cfg, dist.pick_device(cfg.run.device), plan)
         except ValueError as exc:
             problem = exc
     place = start_processes(cfg, plan)
@@ -444,7 +475,7 @@ def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: Paral
 
 
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, folder: FolderModel | None = None, on_step: Callable | None = None) -> TrainResult:
     """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
 
     ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped. A
@@ -452,12 +483,18 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     that run's files once the new run has started: its settings, data, memory and model are
     known to be good). The job holds the folder's lock (``train/lock.py``) from its checks to
     its end; a refusal before the first step leaves the folder as it was.
+
+    A run with ``cfg.init_from`` continues the model of that folder, read by the layer that
+    knows its format and handed over as ``folder`` (``attnres.hf.training.folder_model``).
+    ``on_step(step, model)`` is called after each optimizer step (``step`` 0-based).
     """
     run_dir = Path(run_dir)
     processes, main = dist.launched_world_size(), dist.launched_rank() == 0
     check_run(cfg, processes)  # before any process waits on another
+    check_fits(cfg, folder)
     plan = run_plan(cfg, processes)
-    check_backend(cfg.model, dist.pick_device(cfg.run.device))  # an explicit backend that runs there
+    if cfg.model is not None:
+        check_backend(cfg.model, dist.pick_device(cfg.run.device))  # an explicit backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir) if resume else None
     locked = False
@@ -470,8 +507,9 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     locked = True
                 except lock.FolderInUse as exc:
                     problem = exc
-            cfg, corpus, place = _prepare(cfg, run_dir, corpus, plan, problem)
-            run = start(cfg, run_dir, corpus, place)
+            cfg, corpus, place = _prepare(cfg, run_dir, corpus, plan, problem, folder)
+            run = start(cfg, run_dir, corpus, place, folder)
+            run.on_step = on_step
             if point is not None:
                 run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,
                                                          run.info.distributed)

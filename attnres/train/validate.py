@@ -6,8 +6,9 @@ accepts, before anything is written, allocated or started, and before any proces
 another. In order:
 
 1. each field's type and range (``FIELDS``);
-2. the fields that must agree: the batch and the gradient accumulation, the sequence length and
-   the model's context, the device;
+2. a run that builds its model or continues a folder's (``init_from``, ``check_folder_run``),
+   then the fields that must agree: the batch and the gradient accumulation, the sequence length
+   and the model's context, the device;
 3. the pipeline's options (``run.pp_*``): only with ``run.pp_size > 1``, then agreeing with the
    schedule, the sublayers, the batch and the model, checked where the run's parallel plan is
    built (``parallel_plan.plan_parallel``);
@@ -90,7 +91,7 @@ FIELDS: dict[str, Range | Choice] = {
     "model.rope_theta": Range(0, low_open=True),
     "model.norm_eps": Range(0, low_open=True),
     "model.init_std": Range(0, low_open=True),
-    "data.tokenizer": Choice(("byte", "bpe")),
+    "data.tokenizer": Choice(("byte", "bpe", "model")),
     "data.bpe_vocab_size": _count(257),  # the 256 bytes and at least one merge
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True),
     "data.max_train_tokens": _count(none=True),
@@ -126,9 +127,12 @@ FIELDS: dict[str, Range | Choice] = {
 
 
 def check_fields(cfg: TrainConfig) -> None:
-    """Every field of ``FIELDS`` within what it accepts."""
+    """Every field of ``FIELDS`` within what it accepts (no ``model.*`` field for a run that
+    continues a folder's model: it has none of its own)."""
     for key, accepted in FIELDS.items():
         section, name = key.split(".")
+        if getattr(cfg, section) is None:
+            continue
         value = getattr(getattr(cfg, section), name)
         if not accepted.accepts(value):
             raise ValueError(f"{key}={value!r} must be {accepted}")
@@ -136,15 +140,41 @@ def check_fields(cfg: TrainConfig) -> None:
 
 # -- 2. the fields that must agree -----------------------------------------------------------
 
+def check_folder_run(cfg: TrainConfig) -> None:
+    """A run continues a folder's model (``init_from``) exactly when it has no ``model``
+    section; only such a run reads the folder's tokenizer (``data.tokenizer='model'``), and it
+    is not pipelined and scales no query learning rate (its model's sublayers are the folder's).
+    That ``run.seq_len`` fits the folder's context is checked against the folder itself
+    (``folder_model.check_fits``)."""
+    if (cfg.model is None) == (cfg.init_from is None):
+        raise ValueError("a run either builds its model (a model section) or continues a folder's model "
+                         "(init_from, attnres train --from): exactly one of the two")
+    if cfg.model is not None:
+        if cfg.data.tokenizer == "model":
+            raise ValueError("data.tokenizer='model' reads the tokenizer of the folder a run continues "
+                             "(attnres train --from MODEL_DIR); this run builds its own model: use 'byte' or 'bpe'")
+        return
+    if cfg.data.tokenizer == "bpe":
+        raise ValueError("data.tokenizer='bpe' trains a new tokenizer, whose ids the model read from a folder "
+                         "(--from) never learned: use 'model' (the folder's tokenizer) or 'byte'")
+    if cfg.run.pp_size != 1:
+        raise ValueError(f"run.pp_size={cfg.run.pp_size}: a run that continues a folder's model (--from) is not "
+                         f"pipelined; use run.parallel=ddp or fsdp under torchrun")
+    if cfg.optim.query_lr_scale != 1.0:
+        raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the input-dependent queries of "
+                         f"attnres's own models; a run that continues a folder's model (--from) has none")
+
+
 def check_agreement(cfg: TrainConfig) -> None:
     """The batch splits into the micro-steps, a sequence fits the model's context, a scaled
     query learning rate has input-dependent queries to scale, the device is one torch knows."""
     r, m = cfg.run, cfg.model
     if r.batch_size % r.grad_accum:
         raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
-    if r.seq_len > m.max_seq_len:
+    if m is not None and r.seq_len > m.max_seq_len:
         raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if cfg.optim.query_lr_scale != 1.0 and not (m.residual in ("full", "block", "delta") and m.query == "input"):
+    if m is not None and cfg.optim.query_lr_scale != 1.0 and not (
+            m.residual in ("full", "block", "delta") and m.query == "input"):
         raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
                          f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
                          f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
@@ -199,6 +229,8 @@ def check_pipeline_settings(cfg: TrainConfig) -> None:
 def check_residual(cfg: TrainConfig) -> None:
     """The residual options, checked by the stream that takes them, built on no memory."""
     m = cfg.model
+    if m is None:  # a folder's model: the folder's own
+        return
     with torch.device("meta"):
         build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.stream_eps, **m.stream_options())
 
@@ -220,6 +252,7 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
     """Every check of ``cfg`` (and, given ``processes``, of its placement on them), in the order
     of the module's docstring; the first that fails raises ``ValueError``."""
     check_fields(cfg)
+    check_folder_run(cfg)
     check_agreement(cfg)
     check_pipeline_settings(cfg)
     check_residual(cfg)
@@ -302,16 +335,30 @@ def runnable_model(model: ModelConfig, device: torch.device) -> tuple[ModelConfi
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
 
 
+def _has_sections(d) -> bool:
+    """``d`` is an object with every section an object, but for a null ``model`` beside a
+    string ``init_from`` (a run that continues a folder's model)."""
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in SECTIONS if k != "model"):
+        return False
+    init_from = d.get("init_from")
+    if init_from is not None and not isinstance(init_from, str):
+        return False
+    return isinstance(d.get("model"), dict) or (d.get("model", {}) is None and isinstance(init_from, str))
+
+
 def check_structure(d) -> None:
     """``ValueError`` unless ``d`` has a run config's structure as ``load_saved`` reads it: the
     sections model, data, optim and run, each an object of the config's fields and their types
     (``config.check_types``), holding every field without a default (the model's sizes). The
     values are not checked: a run saved on another machine (``run.device='cuda'``) or before a
-    value was refused is still a run (``run_dir.check_run_dir`` tells a run's folder by it)."""
-    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in SECTIONS):
+    value was refused is still a run (``run_dir.check_run_dir`` tells a run's folder by it). A
+    run that continues a folder's model has ``"model": null`` and the folder in ``init_from``."""
+    if not _has_sections(d):
         raise ValueError("not an attnres training config: expected an object with the sections "
                          "model, data, optim and run")
     for name, cls in SECTIONS.items():
+        if d[name] is None:
+            continue
         check_types(cls, d[name], name)
         lacking = [f"{name}.{f.name}" for f in dataclasses.fields(cls)
                    if f.name not in d[name] and f.default is f.default_factory is dataclasses.MISSING]
@@ -323,12 +370,13 @@ def load_saved(d) -> TrainConfig:
     """A config read from a run's ``config.json``: every section an object, every field of its
     type (``config.check_types``), rebuilt (``config.from_dict``) and checked (``check_run``);
     ``ValueError`` naming what is wrong."""
-    if not isinstance(d, dict) or not all(isinstance(d.get(k), dict) for k in ("model", "data", "optim", "run")):
+    if not _has_sections(d):
         raise ValueError("not a valid attnres training config: expected an object with the sections "
                          "model, data, optim and run")
     try:
-        for name, cls in {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}.items():
-            check_types(cls, d[name], name)
+        for name, cls in SECTIONS.items():
+            if d[name] is not None:
+                check_types(cls, d[name], name)
         config = from_dict(d)
         check_run(config)
     except ValueError as exc:

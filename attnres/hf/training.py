@@ -1,0 +1,163 @@
+"""Training a Hugging Face folder's model with attnres's own trainer (``attnres train --from``).
+
+``folder_model(path)`` reads a folder ``attnres convert`` takes (Llama, Mistral, Qwen2, Qwen3,
+Mixtral, Qwen3-MoE), one it writes (``attnres_<source>``) or a dense ``attnres export`` and
+hands the trainer a ``train.folder_model.FolderModel``: the trainer builds the model through it
+and never imports ``transformers``. ``export_folder_run`` writes such a run's latest checkpoint
+back as a folder of the architecture it came from, with the source folder's tokenizer.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ..files import replace_folder
+from ..train.folder_model import FolderModel
+from .convert import CONVERTED, SOURCES, TOKENIZER_FILES, check_destination
+
+#: the folder model types whose forward returns a router's balance loss
+MOE_TYPES = ("mixtral", "qwen3_moe", "attnres_mixtral", "attnres_qwen3_moe")
+#: what a checkpoint calls the folder's model: its weights are named ``lm.<the folder's names>``
+PREFIX = "lm."
+
+
+def balance_loss_function(model_type: str):
+    """The source architecture's own balance loss (Switch Transformer's, over every MoE layer's
+    router logits), from its ``transformers`` module."""
+    if model_type.removeprefix("attnres_") == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    return load_balancing_loss_func
+
+
+class FolderLM(nn.Module):
+    """A ``transformers`` causal LM as the trainer calls a model: token ids ``[B, T]`` in,
+    logits ``[B, T, V]`` out; for a mixture of experts ``(logits, balance)``, ``balance`` the
+    source architecture's balance loss (unweighted: the trainer weighs it by the folder's
+    ``router_aux_loss_coef``, ``FolderModel.balance_weight``). The router logits are read by hooks on the routers, because a converted
+    model's forward calls each MoE block itself and the source's recording of them (through its
+    base model's forward) never runs; a source and its conversion so compute it alike."""
+
+    def __init__(self, lm: nn.Module, moe: bool):
+        super().__init__()
+        self.lm, self.moe = lm, moe
+        self._router_logits: list[torch.Tensor] = []
+        self._hooks = []
+        if moe:
+            self._balance = balance_loss_function(lm.config.model_type)
+            for module in lm.modules():
+                if type(module).__name__.endswith("TopKRouter"):
+                    self._hooks.append(module.register_forward_hook(
+                        lambda _m, _i, out: self._router_logits.append(out[0])))
+
+    def remove_hooks(self) -> None:
+        """Take the router hooks off ``lm`` (a model that lives on after its training)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def forward(self, input_ids: torch.Tensor):
+        if not self.moe:
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+        self._router_logits.clear()
+        logits = self.lm(input_ids=input_ids, use_cache=False).logits
+        balance = self._balance(tuple(self._router_logits), self.lm.num_experts, self.lm.num_experts_per_tok)
+        self._router_logits.clear()
+        return logits, balance
+
+
+def decoder_layers(model: FolderLM) -> list[nn.Module]:
+    """The units FSDP2 gathers one at a time: the modules whose forward runs. A source's
+    decoder layers run whole; a converted model's forward calls each layer's attention, MLP and
+    norms itself (the routing reads between them), so its units are the attention and the MLP
+    (the norms stay with the whole model's unit); an attnres export's are its ``Transformer``'s
+    sublayers."""
+    inner = model.lm.model
+    if hasattr(inner, "stream"):  # attnres's own Transformer
+        return [m for layer in inner.layers for m in (layer.attn, layer.mlp)]
+    if hasattr(model.lm, "routing"):  # a converted model
+        return [m for layer in inner.layers for m in (layer.self_attn, layer.mlp)]
+    return list(inner.layers)
+
+
+def read_config(path: Path):
+    """The folder's config, its model type one ``train --from`` takes (``ValueError`` naming it)."""
+    import attnres.hf  # noqa: F401  (registers the attnres and attnres_<source> model types)
+
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"--from {path}: not a model folder (no config.json); give a Hugging Face model's folder "
+                         f"(attnres convert, attnres export, or a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder)")
+    if (path / "checkpoints").is_dir():
+        raise ValueError(f"--from {path} is a training run's folder: continue it with attnres train --resume "
+                         f"--run-dir {path}, or export it first (attnres export {path} OUT)")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, KeyError) as exc:
+        raise ValueError(f"--from {path}: its config.json does not load ({str(exc).splitlines()[0][:200]})") from None
+    accepted = (*SOURCES, *(f"attnres_{s}" for s in CONVERTED), "attnres")
+    if config.model_type not in accepted:
+        raise ValueError(f"--from {path}: model_type={config.model_type!r}; train --from takes {sorted(accepted)}")
+    if config.model_type == "attnres" and config.model_config().moe_experts:
+        raise ValueError(f"--from {path}: an attnres mixture-of-experts export; continue its training run with "
+                         f"attnres train --resume (its balance bias and statistics are the run's)")
+    return config
+
+
+def folder_model(path: str | Path) -> FolderModel:
+    """The model in folder ``path`` as the trainer takes it (``FolderModel``); its sizes are read
+    from its config alone (the weights load when the trainer builds it)."""
+    path = Path(path).expanduser().resolve()
+    config = read_config(path)
+    moe = config.model_type in MOE_TYPES
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in shape.parameters())  # a tied weight is one parameter
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    def build(device: torch.device) -> FolderLM:
+        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        return FolderLM(lm, moe).to(device).train()
+
+    return FolderModel(path, config.model_type, config.vocab_size, config.max_position_embeddings, parameters,
+                       config.router_aux_loss_coef if moe else None, build, decoder_layers, tokenizer)
+
+
+def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) -> dict:
+    """Write the latest checkpoint of ``run_dir``, a run that continued the model of folder
+    ``cfg.init_from``, to ``out`` as a folder of that architecture, with the source folder's
+    tokenizer files; returns ``{"step", "parameters", "checkpoint"}``."""
+    from ..train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, load_train_state
+    from ..train.sharded import read_weights
+
+    source = Path(cfg.init_from)
+    config = read_config(source)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise ValueError(f"{run_dir} has no checkpoint to export")
+    check_destination(run_dir, out, overwrite)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if is_sharded(checkpoint):  # the shards of a run under torchrun, read whole in this process
+        state = load_train_state(checkpoint)
+        weights = read_weights(checkpoint, None, FolderLM(model, config.model_type in MOE_TYPES))
+    else:
+        weights, state = load_checkpoint(checkpoint)
+    if not all(k.startswith(PREFIX) for k in weights):
+        raise ValueError(f"{checkpoint}: its weights are not a folder model's (names under {PREFIX!r})")
+    model.load_state_dict({k.removeprefix(PREFIX): v for k, v in weights.items()})
+
+    def fill(folder: Path) -> None:
+        model.save_pretrained(str(folder))
+        for name in TOKENIZER_FILES:
+            if (source / name).exists():
+                shutil.copy2(source / name, folder / name)
+
+    replace_folder(out, fill)
+    return dict(step=state["step"], parameters=sum(p.numel() for p in model.parameters()), checkpoint=str(checkpoint))

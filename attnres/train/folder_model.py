@@ -1,0 +1,122 @@
+"""A model the trainer continues training from a saved folder (``attnres train --from``).
+
+The trainer knows only its own ``Transformer``; a folder of another format (a Hugging Face
+Llama, a converted model, an attnres export) is read by the layer that knows that format
+(``attnres.hf.training.folder_model``), which hands the trainer a ``FolderModel``: what the
+trainer needs of the model, and a function that builds it. So the trainer imports no
+``transformers``, and one training loop serves both kinds of model.
+
+The module ``build`` returns takes token ids ``[B, T]`` and returns logits ``[B, T, V]``; a
+mixture-of-experts model returns ``(logits, balance)``, ``balance`` its routers' balance loss,
+which the steps add to the language model's loss with the folder's own weight
+(``FolderModel.balance_weight``, ``FolderExperts``), as the model's own training did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..model import lm_loss
+from . import distributed as dist
+
+
+@dataclass(frozen=True)
+class FolderModel:
+    """What the trainer needs of a model read from ``folder``.
+
+    ``architecture``: the folder's model type (``llama``, ``attnres_qwen3``, ``attnres``, ...);
+    ``vocab_size`` and ``max_positions``: its embedding's rows and its context;
+    ``parameters``: its parameter elements (a tied weight once); ``balance_weight``: for a
+    mixture of experts, whose forward returns a balance loss beside the logits, that loss's
+    weight in the training loss (None for a dense model); ``build(device)``: the model with the folder's
+    weights on ``device``, in float32; ``fsdp_units(model)``: the modules FSDP2 shards one by
+    one before the whole (its decoder layers); ``tokenizer``: the folder's tokenizer (an object
+    with ``encode(text) -> list[int]``), or None when it has none."""
+
+    folder: Path
+    architecture: str
+    vocab_size: int
+    max_positions: int
+    parameters: int
+    balance_weight: float | None
+    build: Callable[[torch.device], nn.Module]
+    fsdp_units: Callable[[nn.Module], list[nn.Module]]
+    tokenizer: object | None = None
+
+    def describe(self) -> dict:
+        """What ``summary.json`` records of the model."""
+        return dict(folder=str(self.folder), architecture=self.architecture, vocab_size=self.vocab_size,
+                    max_positions=self.max_positions)
+
+
+def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:
+    """``data`` (UTF-8 bytes, ``uint8``) as the token ids of ``tokenizer`` (``encode(text)``
+    without special tokens), in chunks of ``chunk`` characters, up to ``limit`` tokens (the
+    rest of the text is not read). A chunk boundary may split a word the tokenizer would have
+    kept whole; at a million characters that is rare."""
+    text = bytes(data).decode("utf-8", errors="replace")
+    ids: list[int] = []
+    for i in range(0, len(text), chunk):
+        if limit is not None and len(ids) >= limit:
+            break
+        ids.extend(tokenizer.encode(text[i : i + chunk], add_special_tokens=False))
+    return np.asarray(ids[:limit], dtype=np.int64)
+
+
+def logits_of(outputs) -> torch.Tensor:
+    """The logits of a folder model's forward (``(logits, balance)`` for a mixture of experts)."""
+    return outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+class FolderExperts:
+    """The mixture-of-experts side of each optimizer step of a folder model (the interface of
+    ``steps.ExpertSteps``): each micro-batch's loss is the language model's plus the routers'
+    balance loss times ``weight``; ``lm`` is the step's language-model loss (what the log
+    reports) and ``finish`` logs the balance loss apart (``moe_aux_loss``, before its weight, as
+    for attnres's own MoE)."""
+
+    def __init__(self, grad_accum: int, device: torch.device, weight: float):
+        self.grad_accum, self.weight = grad_accum, weight
+        self.lm = torch.zeros((), device=device)
+        self.balance = torch.zeros((), device=device)
+
+    def start(self) -> None:
+        self.lm.zero_()
+        self.balance.zero_()
+
+    def loss(self, forward, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        logits, balance = forward(xs)
+        lm = lm_loss(logits, ys)
+        self.lm.add_(lm.detach() / self.grad_accum)
+        self.balance.add_(balance.detach() / self.grad_accum)
+        return lm + self.weight * balance
+
+    def finish(self, logging: bool) -> dict:
+        return dict(moe_aux_loss=float(dist.mean_across_ranks(self.balance))) if logging else {}
+
+
+def check_fits(cfg, folder: FolderModel | None) -> None:
+    """A run with ``init_from`` (a ``TrainConfig``) is handed that folder's model, whose context
+    holds ``run.seq_len`` and which has the tokenizer ``data.tokenizer='model'`` asks for; a run
+    without one is handed none."""
+    if cfg.init_from is None:
+        if folder is not None:
+            raise ValueError(f"a folder's model ({folder.folder}) was handed to a run without init_from")
+        return
+    if folder is None:
+        raise ValueError(f"init_from={cfg.init_from!r}: the run continues that folder's model, which the trainer is "
+                         f"handed read (attnres.hf.training.folder_model)")
+    if Path(cfg.init_from) != Path(folder.folder):
+        raise ValueError(f"init_from={cfg.init_from!r} but the model handed over is {folder.folder}")
+    if cfg.run.seq_len > folder.max_positions:
+        raise ValueError(f"run.seq_len={cfg.run.seq_len} exceeds the context of the model in {folder.folder} "
+                         f"(max_position_embeddings={folder.max_positions})")
+    if cfg.data.tokenizer == "model" and folder.tokenizer is None:
+        raise ValueError(f"data.tokenizer='model' reads the tokenizer of {folder.folder}, which holds none: "
+                         f"use data.tokenizer='byte' for a model of 256 or more byte tokens")

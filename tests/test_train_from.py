@@ -1,0 +1,192 @@
+"""`attnres train --from MODEL_DIR`: a Hugging Face folder's model (a source, its conversion, an
+attnres export) continues training through the trainer's own loop, and goes back to a folder of
+its architecture with `attnres export`."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnres.hf  # noqa: E402  (registers the Auto classes)
+from attnres.hf import byte_tokenizer, convert  # noqa: E402
+from attnres.train.data import batch_at, load_corpus  # noqa: E402
+from attnres.train.config import DataConfig  # noqa: E402
+
+from .conftest import cli_in_process  # noqa: E402
+from .test_interrupt import signal_after_first_step  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=64)
+QUIET = ["--set", "run.progress=false", "--set", "run.tensorboard=false", "--set", "run.log_every=1"]
+TINY = ["--preset", "tiny", "--set", "run.steps=3", *QUIET]
+
+
+def save(model, folder: Path) -> Path:
+    model.save_pretrained(str(folder))
+    byte_tokenizer().save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny Llama with tied embeddings (non-trivial norm gains), its Delta conversion, a
+    tiny Mixtral and its conversion, each saved with the byte tokenizer (the Mixtral without)."""
+    root = tmp_path_factory.mktemp("folders")
+    torch.manual_seed(0)
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL, tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, p in llama.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    mixtral = transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    folders = dict(llama=save(llama, root / "llama"), conv=save(convert(llama, heads=2, block_layers=1), root / "conv"))
+    mixtral.save_pretrained(str(root / "mixtral"))
+    convert(mixtral, heads=2, block_layers=1).save_pretrained(str(root / "mixtral-conv"))
+    folders.update(mixtral=root / "mixtral", mixtral_conv=root / "mixtral-conv")
+    return folders
+
+
+def rows(run_dir: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def train_from(folder: Path, run_dir: Path, *extra):
+    result = cli_in_process("train", "--from", folder, *TINY, *extra, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return rows(run_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(folders, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {name: (root / name, train_from(folders[name], root / name)) for name in ("llama", "conv")}
+
+
+def test_the_first_step_is_the_folder_models_own_loss_and_the_conversion_matches_its_source(folders, trained):
+    """Step 1's loss is the loss, before any update, of the folder's model on the trainer's
+    first batch, computed here by `transformers` itself; the conversion, exact, gives the same
+    loss to the last bit."""
+    run_dir, llama_rows = trained["llama"]
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["model"] is None and cfg["init_from"] == str(folders["llama"].resolve())
+    assert cfg["data"]["tokenizer"] == "model"  # the folder's tokenizer, unless data.tokenizer is given
+    data = DataConfig(**cfg["data"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["llama"]))
+    corpus = load_corpus(data, 256, tokenizer=tokenizer)
+    r = cfg["run"]
+    x, y = batch_at(corpus.train, r["batch_size"], r["seq_len"], r["seed"], 0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folders["llama"]), dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    assert abs(llama_rows[0]["loss"] - float(expected)) < 1e-5
+    conv_rows = trained["conv"][1]
+    assert conv_rows[0]["loss"] == llama_rows[0]["loss"]
+    assert [row["step"] for row in conv_rows] == [1, 2, 3] and conv_rows[-1]["loss"] < conv_rows[0]["loss"]
+    summary = json.loads((trained["conv"][0] / "summary.json").read_text())
+    assert summary["residual"] == "attnres_llama" and summary["init_from"]["architecture"] == "attnres_llama"
+    assert summary["parameters"] == sum(p.numel() for p in convert(model, heads=2, block_layers=1).parameters())
+
+
+def test_export_writes_the_run_back_as_its_folders_architecture(folders, trained, tmp_path):
+    """The exported folder loads with `from_pretrained` as the source's architecture, with the
+    source's tokenizer, and computes what the trained checkpoint computes; its weights moved."""
+    from safetensors.torch import load_file
+
+    run_dir = trained["conv"][0]
+    result = cli_in_process("export", run_dir, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    assert exported.config.model_type == "attnres_llama"
+    checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    weights = {k.removeprefix("lm."): v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(folders["conv"]), dtype=torch.float32)
+    original.load_state_dict(weights)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(exported(input_ids=x).logits, original(input_ids=x).logits)
+    gates = exported.state_dict()["routing.gates"]
+    assert gates.abs().max() > 0  # the conversion's gates start at zero and trained
+    refused = cli_in_process("export", run_dir, tmp_path / "llama", "--format", "llama")
+    assert refused.returncode != 0 and "--format 'llama' applies to attnres's own runs" in refused.stderr
+
+
+def test_a_mixture_of_experts_keeps_its_balance_loss_and_its_conversion_starts_equal(folders, tmp_path):
+    """A Mixtral (no tokenizer in its folder: the bytes) trains with its routers' balance loss,
+    logged before its weight; its conversion's first step is equal to the last bit."""
+    source = train_from(folders["mixtral"], tmp_path / "source")
+    converted = train_from(folders["mixtral_conv"], tmp_path / "conv")
+    assert json.loads((tmp_path / "source" / "config.json").read_text())["data"]["tokenizer"] == "byte"
+    assert converted[0]["loss"] == source[0]["loss"] and converted[0]["moe_aux_loss"] == source[0]["moe_aux_loss"]
+    assert all(row["moe_aux_loss"] > 0 for row in source)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "model.dim=64"], "--set model.dim: the run trains the model of"),
+    (["--set", "run.pp_size=2"], "run.pp_size=2: a run that continues a folder's model (--from) is not pipelined"),
+    (["--set", "data.tokenizer=bpe"], "data.tokenizer='bpe' trains a new tokenizer"),
+    (["--set", "run.seq_len=128"], r"run.seq_len=128 exceeds the context of the model in"),
+    (["--set", "optim.query_lr_scale=0.1"], "optim.query_lr_scale=0.1 scales the input-dependent queries"),
+    (["--resume"], "--from starts a run from a model folder and --resume continues a run"),
+])
+def test_refusals_name_the_setting_and_leave_no_folder(folders, tmp_path, args, message):
+    result = cli_in_process("train", "--from", folders["conv"], *TINY, *args, "--run-dir", tmp_path / "run")
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_or_a_folder_without_a_model_is_refused(trained, tmp_path):
+    result = cli_in_process("train", "--from", trained["conv"][0], *TINY, "--run-dir", tmp_path / "run")
+    assert result.returncode != 0 and "is a training run's folder: continue it with attnres train --resume" in result.stderr
+    result = cli_in_process("train", "--from", tmp_path, *TINY, "--run-dir", tmp_path / "run")
+    assert result.returncode != 0 and "not a model folder (no config.json)" in result.stderr
+
+
+def test_ctrl_c_then_resume_continues_as_an_uninterrupted_run(folders, tmp_path):
+    """SIGINT saves a checkpoint; `--resume` continues with no log row repeated or missing, and
+    its losses are those of a run never interrupted (constant schedule: the length of the run
+    does not change the learning rate)."""
+    constant = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=0"]
+    command = [sys.executable, "-m", "attnres", "train", "--from", str(folders["conv"]), *TINY, *constant]
+    proc = subprocess.Popen([*command, "--set", "run.steps=100000", "--run-dir", str(tmp_path / "a")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = signal_after_first_step(proc, lambda: tmp_path / "a" / "metrics.jsonl", signal.SIGINT)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    stopped = json.loads((tmp_path / "a" / "summary.json").read_text())["steps"]
+    total = stopped + 2
+    resumed = cli_in_process("train", "--resume", "--run-dir", tmp_path / "a", "--set", f"run.steps={total}")
+    assert resumed.returncode == 0, resumed.stderr
+    whole = train_from(folders["conv"], tmp_path / "b", *constant, "--set", f"run.steps={total}")
+    got = rows(tmp_path / "a")
+    assert [row["step"] for row in got] == list(range(1, total + 1))
+    assert np.array_equal([row["loss"] for row in got], [row["loss"] for row in whole])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_under_torchrun_log_one_process_losses(folders, trained, tmp_path, parallel):
+    """DDP and FSDP2 over two gloo ranks log the losses of one process on the same batches
+    (1e-5); the sharded checkpoint exports back as the folder's architecture."""
+    import os
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           "-m", "attnres", "train", "--from", str(folders["conv"]), *TINY,
+                           "--set", f"run.parallel={parallel}", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = [row["loss"] for row in trained["conv"][1]]
+    losses = [row["loss"] for row in rows(run_dir)]
+    assert len(losses) == len(single) == 3
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, single)), (losses, single)
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    result = cli_in_process("export", run_dir, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "out")).model_type == "attnres_llama"
