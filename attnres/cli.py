@@ -21,7 +21,7 @@ import threading
 
 from . import commands
 from .files import pause_at
-from .names import DEFAULT_DESIGNS, DESIGNS, PRESET_NAMES
+from .names import CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS, PRESET_NAMES
 
 
 def _block_layers(text: str):
@@ -45,7 +45,7 @@ def _design_label(label: str) -> str:
     name is refused here, with the words of ``train/designs.py``'s ``parse_design``, which checks
     the rest (the options, and a name of characters no label may hold) once the command runs."""
     name = label.partition(":")[0]
-    if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS:
+    if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS and name not in FOLDER_DESIGNS:
         raise argparse.ArgumentTypeError(f"design {label!r}: unknown design {name!r}; expected one of "
                                          f"{sorted(DESIGNS)}, optionally with options: name:field=value:...")
     return label
@@ -92,6 +92,18 @@ def _add_compare(sub) -> None:
                    help="the design the others are compared with (default: prenorm when chosen, else the first)")
     p.add_argument("--out", default="runs", help="parent folder of the comparison (default: %(default)s)")
     _add_budgets(p)
+    p.add_argument("--from", dest="init_from", metavar="MODEL_DIR",
+                   help="compare a Hugging Face folder's model trained on as it is (the design 'source', the control) "
+                        "with its Delta AttnRes conversions (convert, convert:heads=H:block_layers=L; default "
+                        "designs: source convert)")
+    p.add_argument("--shock-steps", type=int, default=100, metavar="K",
+                   help="with --from: every one of the first K steps is logged and each conversion's loss compared "
+                        "with the control's (default: %(default)s, or all steps when fewer)")
+    p.add_argument("--tasks", nargs="+", metavar="TASK",
+                   help="with --from: evaluate every run on these lm-eval tasks and pair each conversion's answers "
+                        "with the control's, item by item (exact McNemar test per seed)")
+    p.add_argument("--include-path", help="with --tasks: a folder of lm-eval task YAML files")
+    p.add_argument("--limit", type=float, help="with --tasks: items per task (a count, or a fraction in (0, 1))")
     p.add_argument("--resume", metavar="COMPARISON_DIR",
                    help="continue a comparison that was stopped, where it stopped, with its own "
                         "settings (given alone: its finished runs are kept, the others continue "
@@ -158,8 +170,8 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a local Llama/Mistral/Qwen2/Qwen3 model to Delta AttnRes")
     p.add_argument("src", help="folder of the Hugging Face model")
     p.add_argument("dst", help="folder to write the converted model to")
-    p.add_argument("--heads", type=int, default=8, help="depth-attention heads (default: %(default)s)")
-    p.add_argument("--block-layers", type=_block_layers, default=4, metavar="N|N,N,...",
+    p.add_argument("--heads", type=int, default=CONVERT_DEFAULTS["heads"], help="depth-attention heads (default: %(default)s)")
+    p.add_argument("--block-layers", type=_block_layers, default=CONVERT_DEFAULTS["block_layers"], metavar="N|N,N,...",
                    help="transformer layers per block, or a comma list of layers in each block "
                         "(uneven blocks, e.g. 2,2,3,1) (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a destination folder that is not empty")

@@ -73,8 +73,9 @@ def run_folder_name(cfg) -> str:
 
 
 #: what sets a comparison (or a sweep) up: with --resume its own settings are used instead
-COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets")
-SWEEP_SETTINGS = (*COMPARE_SETTINGS, "--over")
+COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets",
+                    "--from", "--shock-steps", "--tasks", "--include-path", "--limit")
+SWEEP_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets", "--over")
 
 
 def given_settings(argv, options=COMPARE_SETTINGS) -> list[str]:
@@ -88,20 +89,49 @@ def given_settings(argv, options=COMPARE_SETTINGS) -> list[str]:
     return [option for option in options if option in given]
 
 
-def comparison_settings(args):
+def comparison_settings(args, init_from: Path | None = None):
     """``(config, designs, seeds, overrides)`` of a comparison or sweep's arguments: ``--set``'s
     residual options go to the designs that take them, the rest to the shared config; the seeds
-    are ``--seeds``' (``--set run.seed`` refused in their favour)."""
+    are ``--seeds``' (``--set run.seed`` refused in their favour). With ``init_from`` (``compare
+    --from``) the model is the folder's (``config_from_args``) and the designs default to the
+    control and one conversion, ``source convert``."""
     from .train.designs import comparison_choice, split_residual_overrides
 
     seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
     if seeds:
         raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
                          f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
+    if init_from is not None:
+        cfg = config_from_args(args, init_from=init_from)
+        designs, seeds = comparison_choice(args.preset, args.designs or ["source", "convert"], args.seeds)
+        return cfg, designs, seeds, {}
     shared, overrides = split_residual_overrides(args.set or [])
     cfg = config_from_args(args, shared)
     designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
     return cfg, designs, seeds, overrides
+
+
+def folder_comparison_settings(args, cfg):
+    """What ``compare --from`` adds to a comparison, checked before any work: the run config
+    logging each of the first ``--shock-steps`` steps (all of them when the run has fewer), the
+    folders' models (``hf.training.ComparisonFolders``), and ``compare.json``'s ``downstream``
+    (``--tasks``, known to lm-eval, with ``--include-path`` and ``--limit``)."""
+    import dataclasses
+
+    from .hf.training import ComparisonFolders
+
+    if args.shock_steps < 1:
+        raise ValueError(f"--shock-steps {args.shock_steps} must be a positive number of steps")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_first=min(args.shock_steps, cfg.run.steps)))
+    extra = {}
+    if args.tasks:
+        from .hf.evaluate import task_manager
+
+        if args.limit is not None and not args.limit > 0:
+            raise ValueError(f"--limit {args.limit} must be a positive number of items per task, or a fraction in (0, 1)")
+        task_manager(args.tasks, args.include_path)
+        extra["downstream"] = dict(tasks=list(args.tasks), include_path=args.include_path, limit=args.limit)
+    return cfg, ComparisonFolders(args.init_from), extra
 
 
 def cmd_compare(args) -> int:
@@ -112,12 +142,39 @@ def cmd_compare(args) -> int:
         if given:
             raise ValueError("--resume continues the comparison with the settings it was started "
                              f"with; leave out {' '.join(given)}")
-        outcome = resume_comparison(Path(args.resume))
+        from .analysis.comparison import load_index
+
+        index, folders = load_index(Path(args.resume)), None
+        if index.get("init_from"):  # a comparison --from a folder: its models, read by the hf layer
+            from .hf.training import ComparisonFolders
+
+            folders = ComparisonFolders(index["init_from"])
+        outcome = resume_comparison(Path(args.resume), folders=folders)
+        downstream = index.get("downstream")
     else:
-        cfg, designs, seeds, overrides = comparison_settings(args)
+        for option, value in (("--shock-steps", args.shock_steps != 100), ("--tasks", args.tasks),
+                              ("--include-path", args.include_path), ("--limit", args.limit)):
+            if value and not args.init_from:
+                raise ValueError(f"{option} applies to a comparison --from a model folder (the conversion against "
+                                 f"its control); give --from MODEL_DIR or leave it out")
+        init_from = Path(args.init_from) if args.init_from else None
+        cfg, designs, seeds, overrides = comparison_settings(args, init_from)
+        folders, extra = None, {}
+        if init_from is not None:
+            cfg, folders, extra = folder_comparison_settings(args, cfg)
         outcome = run_comparison(cfg, designs=designs, seeds=seeds, out_dir=args.out,
                                  overrides=overrides, baseline=args.baseline,
-                                 command=["attnres", *args.argv], budgets=args.budgets)
+                                 command=["attnres", *args.argv], budgets=args.budgets, folders=folders, extra=extra)
+        downstream = extra.get("downstream")
+    if downstream and outcome.signal is None:
+        from .analysis.comparison import load_index
+        from .analysis.report import write_report
+        from .hf.downstream import evaluate_comparison
+
+        root = outcome.report.parent
+        if load_index(root).get("complete"):
+            evaluate_comparison(root, **downstream)
+            write_report(root)
     print(outcome.report)
     return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 

@@ -18,6 +18,11 @@ DESIGNS: dict[str, dict] = {
     "delta": dict(residual="delta", num_blocks=8, heads="n_kv_heads"),
     "denseformer": dict(residual="denseformer"),
 }
+#: the designs of ``attnres compare --from MODEL_DIR``: the folder's model trained as it is (the
+#: control), and its Delta AttnRes conversion, whose options (``convert:heads=2:block_layers=1``)
+#: are ``attnres convert``'s ``--heads`` and ``--block-layers``, with these defaults
+FOLDER_DESIGNS = ("source", "convert")
+CONVERT_DEFAULTS = {"heads": 8, "block_layers": 4}
 #: what ``attnres compare`` trains when neither ``--designs`` nor its preset names the designs
 DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 

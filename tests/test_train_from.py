@@ -190,3 +190,128 @@ def test_two_ranks_under_torchrun_log_one_process_losses(folders, trained, tmp_p
     result = cli_in_process("export", run_dir, tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert transformers.AutoConfig.from_pretrained(str(tmp_path / "out")).model_type == "attnres_llama"
+
+
+# -- attnres compare --from ------------------------------------------------------------------
+
+def compare_from(folder: Path, out: Path, *extra):
+    result = cli_in_process("compare", "--from", folder, "--preset", "tiny", "--set", "run.progress=false",
+                            "--set", "run.tensorboard=false", "--out", out, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Path(result.stdout.strip().splitlines()[-1]).parent
+
+
+def test_compare_from_pairs_a_conversion_with_its_control_and_measures_the_shock(folders, tmp_path):
+    """`compare --from` trains the source as it is and its conversion on the same batches: the
+    paired interval as every comparison, and the shock over every one of the first steps, the
+    first step's difference exactly 0 (the conversion is exact); the conversion is written once
+    into the comparison's folder and the report says what the seeds vary."""
+    root = compare_from(folders["llama"], tmp_path, "--designs", "source", "convert:heads=2:block_layers=1",
+                        "--seeds", "0", "1", "--shock-steps", "5")
+    results = json.loads((root / "results.json").read_text())
+    conv = results["designs"]["convert:heads=2:block_layers=1"]
+    assert results["baseline"] == "source" and conv["ci95"] is not None and len(conv["val_loss"]) == 2
+    assert conv["shock"]["steps"] == 5 and conv["shock"]["step0_diff"] == 0.0
+    # the shock's figures, recomputed here from the two runs' logs
+    diffs, noise = [], []
+    for seed in (0, 1):
+        control = {r["step"]: r["loss"] for r in rows(root / f"source-seed{seed}") if r["step"] <= 5}
+        converted = {r["step"]: r["loss"] for r in rows(root / f"convert+heads=2+block_layers=1-seed{seed}")
+                     if r["step"] <= 5}
+        assert sorted(control) == sorted(converted) == [1, 2, 3, 4, 5]  # log_every=2, yet every step
+        diffs.append(max(abs(converted[t] - control[t]) for t in control))
+        noise.append(float(np.std(np.diff([control[t] for t in sorted(control)]), ddof=1)))
+    assert conv["shock"]["max_abs_diff"] == pytest.approx(max(diffs), abs=1e-12)
+    assert conv["shock"]["control_noise"] == pytest.approx(max(noise), rel=1e-9)
+    converted_folder = root / "models" / "convert+heads=2+block_layers=1"
+    assert transformers.AutoConfig.from_pretrained(str(converted_folder)).delta_heads == 2
+    config = json.loads((root / "convert+heads=2+block_layers=1-seed0" / "config.json").read_text())
+    assert config["init_from"] == str(converted_folder.resolve()) and config["run"]["log_first"] == 5
+    report = (root / "report.md").read_text()
+    assert "## Optimization shock" in report and "the intervals leave out the source's own variance" in report
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--designs", "source", "full"], "design 'full': under --from the designs are 'source'"),
+    (["--designs", "convert"], "include the design 'source'"),
+    (["--designs", "source", "convert:heads=3"], "design 'convert:heads=3': heads=3 must be a positive integer dividing"),
+    (["--designs", "source", "convert:depth=2"], "'depth=2' is not an option"),
+    (["--budgets", "1", "2"], "--budgets trains the baseline at larger budgets"),
+    (["--set", "model.n_layers=4"], "--set model.n_layers: the run trains the model of"),
+])
+def test_compare_from_refuses_before_any_work(folders, tmp_path, args, message):
+    result = cli_in_process("compare", "--from", folders["llama"], "--preset", "tiny", "--out", tmp_path / "out", *args)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_conversion_options_are_refused_without_from(tmp_path):
+    result = cli_in_process("compare", "--preset", "tiny", "--tasks", "hellaswag", "--out", tmp_path)
+    assert result.returncode != 0 and "--tasks applies to a comparison --from a model folder" in result.stderr
+
+
+def test_shock_against_curves_worked_by_hand():
+    from attnres.analysis.conversion import shock
+
+    control = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.0}  # changes -1, -0.5, -0.5: sd 0.288675...
+    converted = {1: 5.0, 2: 4.25, 3: 3.5, 4: 2.9}
+    out = shock(control, converted)
+    assert out == {"steps": 4, "step0_diff": 0.0, "max_abs_diff": 0.25, "control_noise": pytest.approx(3 ** -0.5 / 2)}
+    with pytest.raises(ValueError, match="incomplete"):
+        shock({1: 5.0, 3: 4.0}, {1: 5.0, 3: 4.0})
+
+
+@pytest.mark.slow
+def test_compare_from_with_a_local_task_pairs_the_answers_item_by_item(folders, tmp_path):
+    """With --tasks each run is exported and evaluated with lm-eval; the McNemar counts and p
+    of each seed are those of the runs' own logged answers, recomputed here."""
+    from .test_hf import DOCS, TASK
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    (tasks / "attnres_tiny.yaml").write_text(TASK.format(data=tasks / "docs.jsonl"))
+    root = compare_from(folders["llama"], tmp_path / "out", "--designs", "source", "convert:heads=2:block_layers=1",
+                        "--seeds", "0", "1", "--tasks", "attnres_tiny", "--include-path", tasks)
+    results = json.loads((root / "results.json").read_text())
+    answers = json.loads((root / "downstream.json").read_text())["runs"]
+    for seed in ("0", "1"):
+        test = results["downstream"]["by_task"]["attnres_tiny"]["convert:heads=2:block_layers=1"][seed]
+        control = answers[f"source-seed{seed}"]["attnres_tiny"]
+        treated = answers[f"convert+heads=2+block_layers=1-seed{seed}"]["attnres_tiny"]
+        assert test["items"] == len(DOCS) == len(control) == len(treated)
+        assert test["n01"] == sum(control[i] and not treated[i] for i in control)
+        assert test["n10"] == sum(treated[i] and not control[i] for i in control)
+        assert 0 <= test["p"] <= 1
+    assert "## Downstream, paired item by item" in (root / "report.md").read_text()
+
+
+def test_a_stopped_compare_from_resumes_with_its_folders(folders, tmp_path):
+    """SIGTERM at the conversion's step 3 stops the comparison (exit 143, its checkpoint
+    saved); `compare --resume` reads the source folder from compare.json and finishes it: every
+    step logged once, the shock measured over all of them, the first difference 0."""
+    import os
+
+    from attnres.train import trainer
+
+    real = trainer.train_step
+
+    def step(run, index, logging):
+        result = real(run, index, logging)
+        if run.folder is not None and run.folder.architecture.startswith("attnres_") and index + 1 == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "train_step", step)
+        stopped = cli_in_process("compare", "--from", folders["llama"], "--preset", "tiny", "--set", "run.progress=false",
+                                 "--designs", "source", "convert:heads=2:block_layers=2", "--out", tmp_path)
+    assert stopped.returncode == 143, stopped.stderr
+    root = next(tmp_path.glob("compare-*"))
+    assert json.loads((root / "compare.json").read_text())["complete"] is False
+    resumed = cli_in_process("compare", "--resume", root)
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [r["step"] for r in rows(root / "convert+heads=2+block_layers=2")]
+    assert steps == list(range(1, 9))  # tiny: 8 steps, each of the first 8 logged (shock steps: all)
+    shock = json.loads((root / "results.json").read_text())["designs"]["convert:heads=2:block_layers=2"]["shock"]
+    assert shock["steps"] == 8 and shock["step0_diff"] == 0.0

@@ -117,7 +117,8 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
             raise ValueError(f"run {d} is incomplete: {missing} missing")
         run = dict(entry)
         run["summary"] = read_json(d / "summary.json", SUMMARY_FIELDS)
-        run["config"] = read_json(d / "config.json", {s: dict for s in ("model", "data", "run")})
+        # a run that continued a folder's model (compare --from) has no model section: null
+        run["config"] = read_json(d / "config.json", {"model": (dict, type(None)), "data": dict, "run": dict})
         run["metrics"] = read_jsonl(d / "metrics.jsonl", metric_fields)
         analysis = d / "analysis.json"
         run["analysis"] = read_json(analysis) if analysis.exists() else None
@@ -295,6 +296,14 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
         for name, entry in multipliers.items():
             results["designs"][name]["compute_equivalent"] = entry
     runs = [r for r in runs if r["design"] not in extra]
+    if index.get("init_from") and runs:  # a comparison --from a folder: the conversions against the control
+        from .conversion import downstream_results, shock_results
+
+        for name, entry in shock_results(designs, baseline, index.get("shock_steps") or 0).items():
+            results["designs"][name]["shock"] = entry
+        downstream = downstream_results(Path(compare_dir), designs, baseline)
+        if downstream is not None:
+            results["downstream"] = downstream
     missing = [f"{d}, seed {s}: {text}" for (d, s), text in status.items() if text]
     results.update(complete=not missing, seeds=seeds, missing=missing)
     return Comparison(Path(compare_dir), index, runs, designs, baseline, results)

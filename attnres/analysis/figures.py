@@ -150,3 +150,18 @@ def plot_budget_curve(plt, results, baseline, path):
     ax.set_ylabel("final validation loss (nats/token)")
     ax.legend(fontsize=8)
     save_figure(plt, fig, path)
+
+
+def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path):
+    """Each design's training loss at every one of the first steps (design -> step -> loss), of
+    one seed: a conversion's optimization shock shows as a gap to the control's curve."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for k, (name, losses) in enumerate(curves.items()):
+        steps = sorted(losses)
+        ax.plot(steps, [losses[s] for s in steps], lw=1.2, label=name, color=f"C{k}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(f"The first {max(len(c) for c in curves.values())} steps, seed {seed}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(plt, fig, path)

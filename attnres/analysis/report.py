@@ -15,7 +15,8 @@ import shlex
 # the comparison's reading is imported from here too (train/compare.py, studies/)
 from .comparison import (SUMMARY_FIELDS, Comparison, by_design, choose_baseline, comparison_results,  # noqa: F401
                          label_path, load_comparison, load_index, load_runs, metric_fields, run_name, val_curve)
-from .figures import plot_budget_curve, plot_depth_weights, plot_expert_load, plot_loss_curves, plot_per_depth, pyplot
+from .figures import (plot_budget_curve, plot_depth_weights, plot_expert_load, plot_first_steps, plot_loss_curves,
+                      plot_per_depth, pyplot)
 
 
 def check_report_dependencies(seeds: int) -> None:
@@ -138,13 +139,20 @@ def _header(c: Comparison) -> list[str]:
     first = c.runs[0]
     run, m = first["config"]["run"], first["config"]["model"]
     unit = "bits/byte" if first["config"]["data"]["tokenizer"] == "byte" else "bits/token"
+    if m is None:  # a comparison --from a folder
+        model = (f"Model: the {first['summary']['residual']} in `{c.index['init_from']}` "
+                 f"({first['summary']['parameters']:,} parameters), trained on as it is (`source`, the control) and "
+                 f"converted to Delta AttnRes (each `convert` design, its routing starting as the identity). The "
+                 f"seeds vary the data order of one source model: the intervals leave out the source's own variance.")
+    else:
+        model = (f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
+                 f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}.")
     return [
         "# Residual designs compared",
         "",
         *_incomplete_section(c),
         f"Data: {first['summary']['data']}. {_tokens_text(c)}",
-        f"Model: dim {m['dim']}, {m['n_layers']} layers ({2 * m['n_layers']} sublayers), "
-        f"{m['n_heads']} heads, vocabulary {m['vocab_size']}{_moe_text(m)}. Seeds: {', '.join(map(str, c.seeds))}. "
+        f"{model} Seeds: {', '.join(map(str, c.seeds))}. "
         f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
         *_summary_lines(c.index, c.designs, c.results, unit),
@@ -178,9 +186,10 @@ def _options_section(c: Comparison) -> list[str]:
     lines = ["", "What each design ran with (its residual options, those given with `--set model.*` included):",
              "", "| design | residual | options |", "|---|---|---|"]
     for name, opts in options.items():
+        kind = opts.get("residual", opts.get("design"))  # a comparison --from a folder: source or convert
         rest = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"  # as --set takes it
-                         for k, v in opts.items() if k != "residual") or "defaults"
-        lines.append(f"| {name} | {opts['residual']} | {rest} |")
+                         for k, v in opts.items() if k not in ("residual", "design")) or "defaults"
+        lines.append(f"| {name} | {kind} | {rest} |")
     return lines
 
 
@@ -239,6 +248,52 @@ def _budget_section(c: Comparison, plt) -> list[str]:
     return [*lines, "", "![final loss against budget](budget.png)", ""]
 
 
+def _shock_section(c: Comparison, plt) -> list[str]:
+    """For a comparison --from a folder: each conversion's first steps against the control's
+    (``analysis/conversion.py``) and the curves of the first seed (``first_steps.png``)."""
+    shocks = {name: e["shock"] for name, e in c.results["designs"].items() if e.get("shock")}
+    if not shocks:
+        return []
+    from .conversion import first_losses
+
+    steps = min(s["steps"] for s in shocks.values())
+    seed = c.seeds[0]
+    plot_first_steps(plt, {name: first_losses(next(r for r in runs if r["seed"] == seed), steps)
+                           for name, runs in c.designs.items()}, seed, c.root / "first_steps.png")
+    lines = ["## Optimization shock", "",
+             f"Every one of the first {steps} steps' training loss, each conversion's against the control's "
+             f"({c.baseline}) on the same batches: the difference at the first step (before any update; 0 when the "
+             "conversion is exact), the largest difference over the steps, and the control's own step-to-step noise "
+             "(the standard deviation of its loss changes); each the largest over the seeds. A largest difference "
+             "within the noise is no shock.", "",
+             "| design | step-0 difference | largest difference | control's noise |", "|---|---|---|---|"]
+    for name, s in shocks.items():
+        noise = "" if s["control_noise"] is None else f"{s['control_noise']:.4f}"
+        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.4f} | {noise} |")
+    return [*lines, "", "![the first steps](first_steps.png)", ""]
+
+
+def _downstream_section(c: Comparison) -> list[str]:
+    """With ``--tasks``: per task, conversion and seed, the exact McNemar test of its answers
+    against the control's on the same items."""
+    downstream = c.results.get("downstream")
+    if not downstream:
+        return []
+    lines = ["## Downstream, paired item by item", "",
+             "Each run exported and evaluated with lm-evaluation-harness; each item right or wrong by its task's "
+             "per-item metric. Per seed (not pooled: the seeds answer the same items), the items only the control "
+             "got right (n01) and only the conversion got right (n10), and the exact McNemar test "
+             "(`binomtest(min(n01, n10), n01 + n10, 0.5)`, two-sided).", "",
+             "| task | design | seed | items | control | conversion | difference | n01 | n10 | p |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for task, by_design_ in downstream["by_task"].items():
+        for name, seeds in by_design_.items():
+            for seed, t in seeds.items():
+                lines.append(f"| {task} | {name} | {seed} | {t['items']} | {t['acc_control']:.3f} | "
+                             f"{t['acc_treated']:.3f} | {t['acc_diff']:+.3f} | {t['n01']} | {t['n10']} | {t['p']:.3g} |")
+    return [*lines, ""]
+
+
 def _depth_weights_section(c: Comparison, plt) -> list[str]:
     """One heatmap of depth weights per design that routes over depth."""
     heat = [(n, rs[0]["analysis"]) for n, rs in c.designs.items() if rs[0]["analysis"] and rs[0]["analysis"]["depth_weights"]]
@@ -283,7 +338,10 @@ def _expert_load_section(c: Comparison, plt) -> list[str]:
 
 
 def _depth_growth_section(c: Comparison, plt) -> list[str]:
-    """The hidden-state RMS at each read and the per-layer gradient norms, over depth."""
+    """The hidden-state RMS at each read and the per-layer gradient norms, over depth (none for
+    the folders' models of a comparison --from a folder, whose runs record neither)."""
+    if not any(r["analysis"] or r["summary"].get("layer_grad_norms") for r in c.runs):
+        return []
     plot_per_depth(plt, c.designs, lambda r: (r["analysis"] or {}).get("read_rms"), "RMS (mean over tokens)",
                    "Hidden-state RMS at each read, before its norm", "sublayer (last point: the output)",
                    c.root / "hidden_rms.png")
@@ -322,8 +380,8 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
     artifacts. ``baseline``: the design the others are compared with (default: the one the
     comparison chose, see ``choose_baseline``). The report's sections, in order: the header
     (with, for an incomplete comparison, what it lacks) and summary table, the designs'
-    options, the validation loss, the compute-equivalent multipliers (with ``--budgets``), the
-    depth weights, the expert load, growth over depth, the width probe; for a comparison without
+    options, the validation loss, the compute-equivalent multipliers (with ``--budgets``), a
+    conversion's shock and downstream answers (``--from``), the depth weights, the expert load, growth over depth, the width probe; for a comparison without
     a seed that every design finished, what it lacks."""
     plt = pyplot()
     c = load_comparison(compare_dir, baseline)
@@ -331,7 +389,7 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         lines = ["# Residual designs compared", "", *_incomplete_section(c)]
     else:
         lines = [*_header(c), *_options_section(c), *_loss_section(c, plt), *_budget_section(c, plt),
-                 *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
+                 *_shock_section(c, plt), *_downstream_section(c), *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
                  *_depth_growth_section(c, plt), *_width_probe_section(c)]
     (c.root / "results.json").write_text(json.dumps(c.results, indent=2))
     path = c.root / "report.md"

@@ -65,6 +65,22 @@ def lm_eval_model(model_dir: str | Path, device: str = "cpu", batch_size: int = 
     return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """lm-eval's ``TaskManager`` (with the task YAMLs of ``include_path``), every one of
+    ``tasks`` known to it (``ValueError`` naming those that are not)."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:
+        raise ValueError(f"evaluation needs lm-evaluation-harness with its hf extra ({exc}): "
+                         "pip install 'attnres[hf]'") from None
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them "
+                         f"(and --include-path adds a folder of task YAML files)")
+    return manager
+
+
 def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | None = None,
              limit: int | None = None, device: str = "cpu", batch_size: int = 1,
              log_samples: bool = False) -> dict:
@@ -79,12 +95,7 @@ def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | Non
     except RuntimeError:
         raise ValueError(f"device={device!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them "
-                         f"(and --include-path adds a folder of task YAML files)")
+    manager = task_manager(tasks, include_path)
     lm = lm_eval_model(model_dir, device=device, batch_size=batch_size)
     return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)

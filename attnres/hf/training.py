@@ -5,6 +5,7 @@ Mixtral, Qwen3-MoE), one it writes (``attnres_<source>``) or a dense ``attnres e
 hands the trainer a ``train.folder_model.FolderModel``: the trainer builds the model through it
 and never imports ``transformers``. ``export_folder_run`` writes such a run's latest checkpoint
 back as a folder of the architecture it came from, with the source folder's tokenizer.
+``ComparisonFolders`` gives ``attnres compare --from`` its control and conversions.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..analysis.comparison import label_path
 from ..files import replace_folder
+from ..streams.delta import check_routing_options
+from ..train.designs import parse_folder_design
 from ..train.folder_model import FolderModel
-from .convert import CONVERTED, SOURCES, TOKENIZER_FILES, check_destination
+from .convert import CONVERTED, SOURCES, TOKENIZER_FILES, check_destination, convert_checkpoint
 
 #: the folder model types whose forward returns a router's balance loss
 MOE_TYPES = ("mixtral", "qwen3_moe", "attnres_mixtral", "attnres_qwen3_moe")
@@ -161,3 +165,36 @@ def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) ->
 
     replace_folder(out, fill)
     return dict(step=state["step"], parameters=sum(p.numel() for p in model.parameters()), checkpoint=str(checkpoint))
+
+
+class ComparisonFolders:
+    """The models of ``attnres compare --from SOURCE`` (``train.compare``'s ``folders``): design
+    ``source`` is the folder's model as it is; each ``convert[:heads=H][:block_layers=L]`` is its
+    Delta conversion, written once (``convert_checkpoint``) into ``ROOT/models/<label>`` and read
+    from there by every seed and on a resume."""
+
+    def __init__(self, source: str | Path):
+        self.source = Path(source).expanduser().resolve()
+        self.config = read_config(self.source)
+
+    def check(self, options: dict[str, dict]) -> None:
+        """Refuse, before any work, a source ``convert`` does not take and a conversion's options
+        that do not fit its model (``options``: label -> ``{"design", "heads", "block_layers"}``)."""
+        if self.config.model_type not in SOURCES:
+            raise ValueError(f"--from {self.source}: model_type={self.config.model_type!r}; a comparison converts its "
+                             f"source, one of {sorted(SOURCES)} (attnres convert's)")
+        for label, values in options.items():
+            if values["design"] == "convert":
+                try:
+                    check_routing_options(self.config, values["heads"], values["block_layers"])
+                except ValueError as err:
+                    raise ValueError(f"design {label!r}: {err}") from None
+
+    def __call__(self, label: str, root: Path) -> FolderModel:
+        name, options = parse_folder_design(label)
+        if name == "source":
+            return folder_model(self.source)
+        folder = Path(root) / "models" / label_path(label)
+        if not (folder / "config.json").is_file():  # written whole or not at all (convert_checkpoint)
+            convert_checkpoint(self.source, folder, heads=options["heads"], block_layers=options["block_layers"])
+        return folder_model(folder)

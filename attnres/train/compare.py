@@ -12,6 +12,14 @@ as before, so at the same token counts), as runs labelled ``<baseline>@x<multipl
 design's step is timed against the baseline's (``step_times``). The report places each design
 on the baseline's loss-against-budget curve: its compute-equivalent multiplier
 (``analysis/budget.py``).
+
+A comparison of a model folder (``attnres compare --from MODEL_DIR``, ``base.init_from`` set)
+trains the folder's model as it is (the design ``source``, the control) against its Delta
+conversions (``convert[:heads=H][:block_layers=L]``, ``designs.parse_folder_design``), each
+written once into ``models/`` of the comparison's folder: the layer that reads the folders'
+format hands them over (``folders``, ``attnres.hf.training.ComparisonFolders``). Every run logs
+each of its first ``shock_steps`` steps (``run.log_first``), from which the report measures the
+conversion's optimization shock against the control.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 
 from ..analysis.budget import budget_run_label, check_budgets
 from ..analysis.capture import capture_analysis
+from ..analysis.comparison import label_path
 from ..analysis.report import check_report_dependencies, choose_baseline, load_index, run_name, write_report
 from ..files import new_folder, read_json
 from ..model import ModelConfig, Transformer
@@ -36,7 +45,7 @@ from ..names import DEFAULT_DESIGNS
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
 from .data import batch_at, load_corpus
-from .designs import check_labels, check_overrides, design_config, design_options, optim_fields
+from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
 from .lock import FolderLock
 from .run_dir import RUN_FILES
 from .signals import Signals, exit_status
@@ -60,6 +69,9 @@ class Plan:
     repeats: dict[str, str] = dataclasses.field(default_factory=dict)
     #: the budgets the baseline also trains at (multiples of ``run.steps``; 1 first), or None
     budgets: list[float] | None = None
+    #: a comparison of a model folder (``base.init_from``): ``folders(label, root)`` is the
+    #: ``FolderModel`` of design ``label`` (the source, or a conversion written under ``root``)
+    folders: object | None = None
 
     @property
     def budget_runs(self) -> dict[str, float]:
@@ -81,10 +93,50 @@ class Plan:
         return dataclasses.replace(self.base, model=self.configs[design], optim=dataclasses.replace(self.base.optim, **optim),
                                    run=dataclasses.replace(self.base.run, seed=seed, steps=steps))
 
+    def folder(self, label: str, root: Path):
+        """The ``FolderModel`` of design ``label`` of a comparison --from a folder (None for
+        attnres's own designs)."""
+        return None if self.folders is None else self.folders(label, root)
+
+
+def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[int], overrides: dict,
+                           baseline: str | None, budgets, folders) -> Plan:
+    """A comparison --from a folder (``base.init_from``): its designs (``source``, the control
+    and baseline, and conversions) and their options, checked against the folder's model by
+    ``folders.check`` before any work."""
+    if folders is None:
+        raise ValueError(f"a comparison --from {base.init_from} needs its folders' models handed over "
+                         f"(attnres.hf.training.ComparisonFolders)")
+    if budgets is not None:
+        raise ValueError("--budgets trains the baseline at larger budgets for attnres's own designs; a comparison "
+                         "--from a folder compares conversions with their control at one budget")
+    if overrides:
+        raise ValueError(f"--set model.{next(iter(overrides))}: the models of a comparison --from a folder are the "
+                         f"folder's and its conversions' (their options are the designs', convert:heads=H:...)")
+    options, paths, same = {}, {}, {}
+    for label in designs:
+        name, values = parse_folder_design(label)
+        options[label] = {"design": name, **values}
+        other = paths.setdefault(label_path(label).lower(), label)
+        if other != label:
+            raise ValueError(f"designs {other!r} and {label!r} would share the folder {label_path(label)!r}; "
+                             "write one of them differently")
+        same.setdefault(json.dumps(options[label], sort_keys=True), label)
+    repeats = {label: same[json.dumps(o, sort_keys=True)] for label, o in options.items()
+               if same[json.dumps(o, sort_keys=True)] != label}
+    if "source" not in designs:
+        raise ValueError(f"designs {designs}: a comparison --from a folder compares conversions with their control, "
+                         f"the folder's model trained as it is: include the design 'source'")
+    if baseline not in (None, "source"):
+        raise ValueError(f"--baseline {baseline!r}: under --from the baseline is the control, 'source'")
+    folders.check(options)
+    return Plan(base, designs, seeds, "source", options, {label: None for label in designs}, repeats, None, folders)
+
 
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
-                    baseline: str | None, budgets=None) -> Plan:
-    """Every setting of a comparison checked before any work (``compare``'s arguments)."""
+                    baseline: str | None, budgets=None, folders=None) -> Plan:
+    """Every setting of a comparison checked before any work (``compare``'s arguments);
+    ``folders`` for a comparison --from a folder (``plan_folder_comparison``)."""
     check_run(base)
     budgets = None if budgets is None else check_budgets(budgets)
     if budgets is not None:
@@ -105,9 +157,11 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
     if any(s > top for s in seeds):
         raise ValueError(f"seeds {seeds} must be integers in [0, {top}] (run.seed: each step's data seed, "
                          f"run.seed * {DATA_SEED_STRIDE} + step, must fit in a 64-bit integer)")
+    check_report_dependencies(len(seeds))
+    if base.init_from is not None:
+        return plan_folder_comparison(base, designs, seeds, overrides, baseline, budgets, folders)
     check_labels(designs)
     baseline = choose_baseline(designs, baseline)
-    check_report_dependencies(len(seeds))
     check_overrides(designs, overrides)
     options, configs, repeats = {}, {}, {}
     device = pick_device(base.run.device)
@@ -158,15 +212,17 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
 def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
                    out_dir: str | Path = "runs", log=print, overrides: dict | None = None,
                    baseline: str | None = None, command: list[str] | None = None, budgets=None,
-                   root: Path | None = None) -> ComparisonOutcome:
+                   root: Path | None = None, folders=None, extra: dict | None = None) -> ComparisonOutcome:
     """``compare``, returning its report and the signal that stopped it. ``compare.json`` is
     written before the first run (``"complete": false`` until every run finished) and after
     each; it holds what ``resume_comparison`` needs to continue: the shared config, the residual
     options given, the budgets, and per run the steps planned and done. ``budgets``: the
     multiples of the budget the baseline also trains at (the module's docstring); ``root``: the
-    comparison's folder (made here; default a new ``out_dir/compare-<timestamp>``)."""
+    comparison's folder (made here; default a new ``out_dir/compare-<timestamp>``); ``folders``:
+    the models of a comparison --from a folder (the module's docstring); ``extra``: more of
+    ``compare.json``'s keys (what a comparison --from a folder evaluates after training)."""
     overrides = overrides or {}
-    plan = plan_comparison(base, designs, seeds, overrides, baseline, budgets)
+    plan = plan_comparison(base, designs, seeds, overrides, baseline, budgets, folders)
     for label, same in plan.repeats.items():
         log(f"design {label!r} has the settings of {same!r}: it repeats that design (an A/A control)")
     if root is None:
@@ -176,14 +232,18 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
     index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
              "baseline": plan.baseline, "command": command, "steps": base.run.steps,
              "config": to_dict(base), "overrides": overrides, "budgets": plan.budgets, "runs": []}
+    if base.init_from is not None:
+        index.update(init_from=base.init_from, shock_steps=base.run.log_first)
+    index.update(extra or {})
     write_index(root, index)
     return train_designs(root, plan, index, log)
 
 
-def resume_comparison(root: str | Path, log=print) -> ComparisonOutcome:
+def resume_comparison(root: str | Path, log=print, folders=None) -> ComparisonOutcome:
     """Continue the comparison in ``root`` where it stopped, with its own settings: the runs it
     finished are kept, each unfinished one continues from its checkpoint (``train``'s resume;
-    one without a checkpoint starts over), and those not started run."""
+    one without a checkpoint starts over), and those not started run. ``folders``: the models
+    of a comparison --from a folder (its config's ``init_from``)."""
     root = Path(root)
     path = root / "compare.json"
     index = load_index(root)
@@ -199,7 +259,7 @@ def resume_comparison(root: str | Path, log=print) -> ComparisonOutcome:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
     plan = plan_comparison(base, index["designs"], index["seeds"], index["overrides"],
-                           index.get("baseline"), index.get("budgets"))
+                           index.get("baseline"), index.get("budgets"), folders)
     if _all_finished(index, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")
@@ -242,7 +302,11 @@ def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome
     in progress (its checkpoint saved) and the comparison: no other run starts."""
     start, spent = time.time(), index.get("wall_time_s", 0.0)
     with Signals() as signals:
-        corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
+        source = plan.folder("source", root)
+        if source is None:
+            corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
+        else:  # the folder's tokens: its tokenizer's (data.tokenizer='model') or the bytes
+            corpus = load_corpus(plan.base.data, source.vocab_size, bpe_dir=root, tokenizer=source.tokenizer)
         if plan.budget_runs and "step_times" not in index:
             log(f"timing each design's step against {plan.baseline}'s ({STEP_TIME_ROUNDS} rounds, part of no run)")
             configs = {label: plan.run_config(label, plan.seeds[0]) for label in plan.designs}
@@ -308,9 +372,14 @@ def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> 
 def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
     name = run_name(label, seed, plan.seeds)
     cfg, run_dir = plan.run_config(label, seed), root / name
+    folder = plan.folder(label, root)
+    if folder is not None:
+        cfg = dataclasses.replace(cfg, init_from=str(folder.folder))
     steps = cfg.run.steps
     how, ckpt = _how_to_start(run_dir, steps)
-    if how == "trained":
+    if how == "trained" and folder is not None:  # a folder's model: no depth weights to capture
+        model, summary = None, read_json(run_dir / "summary.json")
+    elif how == "trained":
         model, summary = _trained_model(run_dir, ckpt)
     else:
         since = f", from its checkpoint {ckpt.name}" if how == "resume" else ""
@@ -319,7 +388,7 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
             # each run compiles its own model; the compiled code of the runs before it would fill
             # the compiler's cache of the shared forward, past whose limit it runs eager
             torch.compiler.reset()
-        result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over")
+        result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over", folder=folder)
         model, summary = result.model, result.summary
     budget = plan.budget_runs.get(label)
     entry = {"design": label, "seed": seed, "dir": name,
@@ -329,7 +398,8 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
     if summary["steps"] < steps:
         log(f"{name} stopped at step {summary['steps']} of {steps}, its checkpoint saved")
         return entry
-    x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
-    (run_dir / "analysis.json").write_text(json.dumps(capture_analysis(model, x)))
+    if folder is None:
+        x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
+        (run_dir / "analysis.json").write_text(json.dumps(capture_analysis(model, x)))
     log(f"{name}: validation loss {summary['final_val_loss']:.4f}")
     return entry

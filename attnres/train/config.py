@@ -98,6 +98,9 @@ class RunConfig:
     eval_every: int = 100
     eval_batches: int = 20
     log_every: int = 10
+    #: every one of the first ``log_first`` steps is logged, whatever ``log_every`` says (a
+    #: conversion's first steps against its control's: ``compare --from --shock-steps``)
+    log_first: int = 0
     ckpt_every: int = 0  # 0: only at the end (and on SIGINT/SIGTERM)
     compile: bool = False
     device: str = "auto"

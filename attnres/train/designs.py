@@ -11,7 +11,7 @@ import typing
 
 from ..analysis.comparison import label_path
 from ..model import ModelConfig
-from ..names import COMPARISON_PRESETS, DEFAULT_DESIGNS, DESIGNS
+from ..names import COMPARISON_PRESETS, CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS
 from ..streams import MODEL_OPTIONS, STREAMS
 from .config import OptimConfig, parse_value
 
@@ -79,6 +79,43 @@ def parse_design(label: str) -> tuple[str, dict]:
         if field in options:
             raise ValueError(f"design {label!r}: {field!r} is given twice")
         options[field] = parse_value(value, hints[field], field, f"design {label!r}:")
+    return name, options
+
+
+def parse_folder_design(label: str) -> tuple[str, dict]:
+    """``(design, options)`` of a design of ``compare --from``: ``source`` (the folder's model as
+    it is, the control; no options) or ``convert`` with ``heads`` and ``block_layers`` (those of
+    ``attnres convert``: one number of layers per block, or a comma list of each block's layers),
+    their defaults filled in::
+
+        source                          ->  ("source", {})
+        convert:heads=2:block_layers=1  ->  ("convert", {"heads": 2, "block_layers": 1})
+        convert:block_layers=2,2        ->  ("convert", {"heads": 8, "block_layers": [2, 2]})
+
+    ``ValueError`` names the label and what is accepted for anything else (a native design)."""
+    accepted = "'source' (the control: the folder's model as it is) and 'convert[:heads=H][:block_layers=L]'"
+    if not isinstance(label, str) or not label or set(label) - LABEL_CHARACTERS:
+        raise ValueError(f"design {label!r}: under --from the designs are {accepted}")
+    name, *parts = label.split(":")
+    if name not in FOLDER_DESIGNS:
+        raise ValueError(f"design {label!r}: under --from the designs are {accepted}; attnres's own designs "
+                         f"({name!r}) are compared without --from")
+    options = dict(CONVERT_DEFAULTS) if name == "convert" else {}
+    given = set()
+    for part in parts:
+        field, eq, value = part.partition("=")
+        if name == "source" or field not in CONVERT_DEFAULTS or not eq or field in given:
+            raise ValueError(f"design {label!r}: {part!r} is not an option; 'source' takes none, 'convert' takes "
+                             f"heads=H and block_layers=L (a number, or a comma list of each block's layers), once each")
+        given.add(field)
+        try:
+            numbers = [int(v) for v in value.split(",")]
+        except ValueError:
+            raise ValueError(f"design {label!r}: {field}={value!r} must be a whole number"
+                             f"{'' if field == 'heads' else ' or a comma list of them'}") from None
+        if field == "heads" and len(numbers) != 1:
+            raise ValueError(f"design {label!r}: heads={value!r} must be one whole number")
+        options[field] = numbers[0] if len(numbers) == 1 else numbers
     return name, options
 
 

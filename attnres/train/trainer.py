@@ -370,7 +370,7 @@ def run_steps(run: Run, metrics: Metrics, bar) -> Progress:
     with Signals() as signals:
         for step in range(run.start_step, r.steps):
             done = step + 1
-            logging = done % r.log_every == 0 or done == r.steps
+            logging = done % r.log_every == 0 or done == r.steps or done <= r.log_first
             result = train_step(run, step, logging)
             progress.add(done, result)
             if run.on_step is not None:

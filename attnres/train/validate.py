@@ -115,6 +115,7 @@ FIELDS: dict[str, Range | Choice] = {
     "run.eval_every": _count(),
     "run.eval_batches": _count(),
     "run.log_every": _count(),
+    "run.log_first": _count(0),
     "run.ckpt_every": _count(0),
     "run.autocast": Choice(("auto", "none")),
     "run.parallel": Choice(PARALLEL_MODES),

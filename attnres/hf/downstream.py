@@ -1,0 +1,70 @@
+"""Downstream answers of a comparison --from a folder, item by item (``attnres compare --from
+... --tasks``): each finished run exported back to its architecture's folder
+(``export.export_run``) and evaluated with lm-evaluation-harness, its logged samples kept as one
+right-or-wrong per item, in ``downstream.json`` beside ``compare.json``. The report pairs the
+conversions' answers with the control's, seed by seed (``analysis/conversion.py``: McNemar).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..analysis.comparison import load_index
+from ..files import read_json
+from .evaluate import evaluate
+from .export import export_run
+
+#: the per-item metrics read as right or wrong, the first a task's samples hold
+ITEM_METRICS = ("acc", "exact_match")
+DOWNSTREAM_FILE = "downstream.json"
+
+
+def item_correctness(samples: list[dict]) -> tuple[str, dict[str, bool]]:
+    """``(metric, {doc_id: right})`` of one task's logged samples: each item right when its
+    metric (``ITEM_METRICS``, the first the samples hold) is 1."""
+    if not samples:
+        raise ValueError("the task logged no samples")
+    metric = next((m for m in ITEM_METRICS if m in samples[0]), None)
+    if metric is None:
+        raise ValueError(f"the task's samples hold none of the per-item metrics {ITEM_METRICS} "
+                         f"(they hold {sorted(k for k in samples[0] if not k.startswith(('doc', 'resps')))})")
+    return metric, {str(s["doc_id"]): float(s[metric]) == 1.0 for s in samples}
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | None = None,
+                        limit: float | None = None, log=print) -> Path:
+    """Export and evaluate on ``tasks`` every finished run of the comparison in ``root`` that
+    ``downstream.json`` does not hold yet (written after each run: a stopped evaluation
+    continues where it stopped); returns its path."""
+    root = Path(root)
+    index = load_index(root)
+    path = root / DOWNSTREAM_FILE
+    done = read_json(path) if path.exists() else {}
+    if done and (done.get("tasks") != list(tasks) or done.get("include_path") != include_path
+                 or done.get("limit") != limit):
+        raise ValueError(f"{path} holds answers to other tasks ({done.get('tasks')}); remove it to evaluate anew")
+    data = {"tasks": list(tasks), "include_path": include_path, "limit": limit, "metrics": done.get("metrics", {}),
+            "runs": done.get("runs", {})}
+    for entry in index["runs"]:
+        if entry["dir"] in data["runs"] or entry.get("steps_done", 0) < entry.get("steps", index["steps"]):
+            continue
+        out = root / "exports" / entry["dir"]
+        log(f"evaluating {entry['dir']} on {', '.join(tasks)}")
+        export_run(root / entry["dir"], out, overwrite=True)
+        results = evaluate(out, list(tasks), include_path=include_path, limit=limit, log_samples=True)
+        answers = {}
+        for task, samples in results["samples"].items():
+            metric, answers[task] = item_correctness(samples)
+            data["metrics"][task] = metric
+        data["runs"][entry["dir"]] = answers
+        _write(path, data)
+    _write(path, data)
+    return path
