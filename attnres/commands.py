@@ -288,6 +288,10 @@ def load_run(run_dir: Path, command: str = "attnres generate"):
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
+    if cfg.model is None:
+        raise ValueError(f"{run_dir} continued the model of {cfg.init_from} (train --from): {command} reads attnres's "
+                         f"own runs; `attnres export {run_dir} OUT` writes it as its folder's architecture, which "
+                         f"transformers' generate() and `attnres serve` take")
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint")

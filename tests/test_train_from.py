@@ -116,6 +116,8 @@ def test_export_writes_the_run_back_as_its_folders_architecture(folders, trained
     assert gates.abs().max() > 0  # the conversion's gates start at zero and trained
     refused = cli_in_process("export", run_dir, tmp_path / "llama", "--format", "llama")
     assert refused.returncode != 0 and "--format 'llama' applies to attnres's own runs" in refused.stderr
+    refused = cli_in_process("generate", run_dir)
+    assert refused.returncode != 0 and "reads attnres's own runs; `attnres export" in refused.stderr
 
 
 def test_a_mixture_of_experts_keeps_its_balance_loss_and_its_conversion_starts_equal(folders, tmp_path):
