@@ -47,7 +47,8 @@ def _design_label(label: str) -> str:
     name = label.partition(":")[0]
     if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS and name not in FOLDER_DESIGNS:
         raise argparse.ArgumentTypeError(f"design {label!r}: unknown design {name!r}; expected one of "
-                                         f"{sorted(DESIGNS)}, optionally with options: name:field=value:...")
+                                         f"{sorted(DESIGNS)}, optionally with options: name:field=value:... "
+                                         f"(with --from MODEL_DIR: {' and '.join(FOLDER_DESIGNS)})")
     return label
 
 

@@ -42,15 +42,15 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
         raise ValueError(f"--set {model_keys[0]}: the run trains the model of {folder} as that folder holds it; "
                          f"its model.* settings are the folder's (convert or export another folder to change them)")
     cfg = apply_overrides(cfg, given)
-    if init_from is not None:
-        tokenizer = cfg.data.tokenizer
-        if "data.tokenizer" not in keys:
-            has_tokenizer = any((init_from / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
-            tokenizer = "model" if has_tokenizer else "byte"
-        cfg = dataclasses.replace(cfg, model=None, init_from=str(init_from.expanduser().resolve()),
-                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     source = Path(cfg.data.source).expanduser()
     token_files = (source / "train.bin").is_file()
+    if init_from is not None:
+        tokenizer = cfg.data.tokenizer
+        if "data.tokenizer" not in keys:  # token files hold ids already: their bytes are read as they are
+            has_tokenizer = any((init_from / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+            tokenizer = "model" if has_tokenizer and not token_files else "byte"
+        cfg = dataclasses.replace(cfg, model=None, init_from=str(init_from.expanduser().resolve()),
+                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     if "model.vocab_size" in keys and not token_files:
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
@@ -144,13 +144,19 @@ def cmd_compare(args) -> int:
                              f"with; leave out {' '.join(given)}")
         from .analysis.comparison import load_index
 
-        index, folders = load_index(Path(args.resume)), None
+        from .train.compare import ComparisonOutcome
+
+        root = Path(args.resume)
+        index, folders = load_index(root), None
+        downstream = index.get("downstream")
         if index.get("init_from"):  # a comparison --from a folder: its models, read by the hf layer
             from .hf.training import ComparisonFolders
 
             folders = ComparisonFolders(index["init_from"])
-        outcome = resume_comparison(Path(args.resume), folders=folders)
-        downstream = index.get("downstream")
+        if index.get("complete") and downstream:  # trained: only its evaluation may be left
+            outcome = ComparisonOutcome(root / "report.md")
+        else:
+            outcome = resume_comparison(root, folders=folders)
     else:
         for option, value in (("--shock-steps", args.shock_steps != 100), ("--tasks", args.tasks),
                               ("--include-path", args.include_path), ("--limit", args.limit)):

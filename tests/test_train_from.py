@@ -127,7 +127,14 @@ def test_a_mixture_of_experts_keeps_its_balance_loss_and_its_conversion_starts_e
     converted = train_from(folders["mixtral_conv"], tmp_path / "conv")
     assert json.loads((tmp_path / "source" / "config.json").read_text())["data"]["tokenizer"] == "byte"
     assert converted[0]["loss"] == source[0]["loss"] and converted[0]["moe_aux_loss"] == source[0]["moe_aux_loss"]
-    assert all(row["moe_aux_loss"] > 0 for row in source)
+    # step 1's balance loss (before any update) is transformers' own on the first batch
+    cfg = json.loads((tmp_path / "source" / "config.json").read_text())
+    corpus = load_corpus(DataConfig(**cfg["data"]), 256)
+    x, _ = batch_at(corpus.train, cfg["run"]["batch_size"], cfg["run"]["seq_len"], cfg["run"]["seed"], 0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folders["mixtral"]), dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(input_ids=x, output_router_logits=True).aux_loss
+    assert source[0]["moe_aux_loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -240,6 +247,7 @@ def test_compare_from_pairs_a_conversion_with_its_control_and_measures_the_shock
     (["--designs", "source", "convert:depth=2"], "'depth=2' is not an option"),
     (["--budgets", "1", "2"], "--budgets trains the baseline at larger budgets"),
     (["--set", "model.n_layers=4"], "--set model.n_layers: the run trains the model of"),
+    (["--set", "run.seq_len=128"], "run.seq_len=128 exceeds the context of the model in"),
 ])
 def test_compare_from_refuses_before_any_work(folders, tmp_path, args, message):
     result = cli_in_process("compare", "--from", folders["llama"], "--preset", "tiny", "--out", tmp_path / "out", *args)
@@ -284,7 +292,11 @@ def test_compare_from_with_a_local_task_pairs_the_answers_item_by_item(folders, 
         assert test["items"] == len(DOCS) == len(control) == len(treated)
         assert test["n01"] == sum(control[i] and not treated[i] for i in control)
         assert test["n10"] == sum(treated[i] and not control[i] for i in control)
-        assert 0 <= test["p"] <= 1
+        from scipy.stats import binomtest
+
+        discordant = test["n01"] + test["n10"]
+        expected = binomtest(min(test["n01"], test["n10"]), discordant, 0.5).pvalue if discordant else 1.0
+        assert test["p"] == pytest.approx(expected)
     assert "## Downstream, paired item by item" in (root / "report.md").read_text()
 
 
@@ -317,3 +329,25 @@ def test_a_stopped_compare_from_resumes_with_its_folders(folders, tmp_path):
     assert steps == list(range(1, 9))  # tiny: 8 steps, each of the first 8 logged (shock steps: all)
     shock = json.loads((root / "results.json").read_text())["designs"]["convert:heads=2:block_layers=2"]["shock"]
     assert shock["steps"] == 8 and shock["step0_diff"] == 0.0
+
+
+def test_finetune_runs_the_trainer_and_a_signal_reaches_its_caller(folders):
+    """`hf.finetune` trains a model object through the trainer (the first loss is the model's own
+    on the trainer's first batch); SIGINT stops it after the step with KeyboardInterrupt, the
+    model keeping the steps it took."""
+    import os
+
+    from attnres.hf.finetune import finetune
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folders["conv"]), dtype=torch.float32)
+    tokens = np.frombuffer(bytes(range(32, 127)) * 200, dtype=np.uint8).astype(np.int64)
+    x, y = batch_at(tokens, 2, 16, 0, 0)
+    with torch.no_grad():
+        expected = float(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()))
+    losses = finetune(model, tokens, steps=2, batch_size=2, seq_len=16)
+    assert len(losses) == 2 and losses[0] == pytest.approx(expected, abs=1e-5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(KeyboardInterrupt, match="after step 1"):
+        finetune(model, tokens, steps=50, batch_size=2, seq_len=16,
+                 on_step=lambda step, _model: os.kill(os.getpid(), signal.SIGINT))
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -64,14 +64,16 @@ def shock_results(designs: dict[str, list[dict]], baseline: str, steps: int) -> 
 def downstream_results(root: Path, designs: dict[str, list[dict]], baseline: str) -> dict | None:
     """``results.json``'s ``"downstream"`` from ``downstream.json`` (``hf/downstream.py``), or
     None without it: ``{"tasks", "metrics", "by_task": {task: {design: {seed: mcnemar}}}}`` for
-    each conversion and seed whose run and control were both evaluated."""
+    each conversion and seed whose run and control were both evaluated, over every task they
+    answered (a group's subtasks, a task's filters: ``hf/downstream.py``)."""
     path = Path(root) / "downstream.json"
     if not path.exists():
         return None
     data = read_json(path, {"tasks": list, "runs": dict, "metrics": dict})
     control = {r["seed"]: data["runs"].get(r["dir"]) for r in designs.get(baseline, [])}
     by_task: dict = {}
-    for task in data["tasks"]:
+    answered = sorted({task for answers in data["runs"].values() for task in answers})
+    for task in answered:
         for name, runs in designs.items():
             if name == baseline:
                 continue

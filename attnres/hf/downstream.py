@@ -21,16 +21,26 @@ ITEM_METRICS = ("acc", "exact_match")
 DOWNSTREAM_FILE = "downstream.json"
 
 
-def item_correctness(samples: list[dict]) -> tuple[str, dict[str, bool]]:
-    """``(metric, {doc_id: right})`` of one task's logged samples: each item right when its
-    metric (``ITEM_METRICS``, the first the samples hold) is 1."""
+def item_correctness(task: str, samples: list[dict]) -> dict[str, tuple[str, dict[str, bool]]]:
+    """Each answered key of one task's logged samples -> ``(metric, {doc_id: right})``, each
+    item right when its metric (``ITEM_METRICS``, the first the samples hold) is 1. A task
+    whose samples pass through several filters (gsm8k's strict and flexible answers) answers
+    each item once per filter: its keys are ``task/filter``; otherwise the key is ``task``."""
     if not samples:
-        raise ValueError("the task logged no samples")
+        raise ValueError(f"the task {task!r} logged no samples")
     metric = next((m for m in ITEM_METRICS if m in samples[0]), None)
     if metric is None:
-        raise ValueError(f"the task's samples hold none of the per-item metrics {ITEM_METRICS} "
+        raise ValueError(f"the samples of {task!r} hold none of the per-item metrics {ITEM_METRICS} "
                          f"(they hold {sorted(k for k in samples[0] if not k.startswith(('doc', 'resps')))})")
-    return metric, {str(s["doc_id"]): float(s[metric]) == 1.0 for s in samples}
+    by_filter: dict[str, dict[str, bool]] = {}
+    for s in samples:
+        answers = by_filter.setdefault(str(s.get("filter", "none")), {})
+        if str(s["doc_id"]) in answers:
+            raise ValueError(f"the samples of {task!r} answer item {s['doc_id']} twice under one filter")
+        answers[str(s["doc_id"])] = float(s[metric]) == 1.0
+    if len(by_filter) == 1:
+        return {task: (metric, next(iter(by_filter.values())))}
+    return {f"{task}/{name}": (metric, answers) for name, answers in by_filter.items()}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -43,9 +53,14 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
                         limit: float | None = None, log=print) -> Path:
     """Export and evaluate on ``tasks`` every finished run of the comparison in ``root`` that
     ``downstream.json`` does not hold yet (written after each run: a stopped evaluation
-    continues where it stopped); returns its path."""
+    continues where it stopped, ``attnres compare --resume``), on the device the comparison
+    trained on (``run.device``); returns its path. A group task's subtasks are answered each
+    under its own name."""
+    from ..train.distributed import pick_device
+
     root = Path(root)
     index = load_index(root)
+    device = str(pick_device(index["config"]["run"]["device"]))
     path = root / DOWNSTREAM_FILE
     done = read_json(path) if path.exists() else {}
     if done and (done.get("tasks") != list(tasks) or done.get("include_path") != include_path
@@ -59,11 +74,12 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
         out = root / "exports" / entry["dir"]
         log(f"evaluating {entry['dir']} on {', '.join(tasks)}")
         export_run(root / entry["dir"], out, overwrite=True)
-        results = evaluate(out, list(tasks), include_path=include_path, limit=limit, log_samples=True)
+        results = evaluate(out, list(tasks), include_path=include_path, limit=limit, device=device, log_samples=True)
         answers = {}
         for task, samples in results["samples"].items():
-            metric, answers[task] = item_correctness(samples)
-            data["metrics"][task] = metric
+            for key, (metric, items) in item_correctness(task, samples).items():
+                answers[key] = items
+                data["metrics"][key] = metric
         data["runs"][entry["dir"]] = answers
         _write(path, data)
     _write(path, data)

@@ -23,7 +23,9 @@ def finetune(model, tokens: np.ndarray, *, steps: int, batch_size: int = 4, seq_
              on_step=None) -> list[float]:
     """Train ``model`` in place on next-token loss over batches of ``tokens`` (the trainer's
     batches of seed ``seed``, its AdamW, parameter groups and clipping, at a constant ``lr``,
-    no warmup); returns the loss of every step.
+    no warmup, in the model's dtype on its device); returns the loss of every step. A SIGINT or
+    SIGTERM stops it after the current step with ``KeyboardInterrupt`` (the model keeps the
+    steps it took).
 
     ``routing_only=True`` trains only the routing parameters a conversion added (the base is
     frozen for the run and unfrozen after). The routing parameters and vectors (norms, biases)
@@ -45,13 +47,16 @@ def finetune(model, tokens: np.ndarray, *, steps: int, batch_size: int = 4, seq_
             model=None, init_from=tmp, data=DataConfig(),
             optim=OptimConfig(lr=lr, weight_decay=weight_decay, warmup_steps=0, schedule="constant"),
             run=RunConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, eval_every=steps,
-                          eval_batches=1, log_every=1, device=str(device), progress=False, tensorboard=False))
+                          eval_batches=1, log_every=1, device=str(device), autocast="none", progress=False,
+                          tensorboard=False))
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         if routing_only:
             freeze_base(model)
         try:
-            train(cfg, run_dir, corpus=Corpus(tokens, tokens, config.vocab_size, "a token array"), folder=folder,
-                  on_step=None if on_step is None else lambda step, _lm: on_step(step, model))
+            result = train(cfg, run_dir, corpus=Corpus(tokens, tokens, config.vocab_size, "a token array"),
+                           folder=folder, on_step=None if on_step is None else lambda step, _lm: on_step(step, model))
+            if result.interrupted:  # the trainer saved a checkpoint into the temporary folder: the caller is told
+                raise KeyboardInterrupt(f"finetune stopped by signal {result.signal} after step {result.summary['steps']}")
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         finally:
             lm.remove_hooks()

@@ -10,6 +10,7 @@ back as a folder of the architecture it came from, with the source folder's toke
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ..analysis.comparison import label_path
 from ..files import replace_folder
 from ..streams.delta import check_routing_options
 from ..train.designs import parse_folder_design
-from ..train.folder_model import FolderModel
+from ..train.folder_model import FolderModel, check_fits
 from .convert import CONVERTED, SOURCES, TOKENIZER_FILES, check_destination, convert_checkpoint
 
 #: the folder model types whose forward returns a router's balance loss
@@ -177,9 +178,13 @@ class ComparisonFolders:
         self.source = Path(source).expanduser().resolve()
         self.config = read_config(self.source)
 
-    def check(self, options: dict[str, dict]) -> None:
-        """Refuse, before any work, a source ``convert`` does not take and a conversion's options
-        that do not fit its model (``options``: label -> ``{"design", "heads", "block_layers"}``)."""
+    def check(self, options: dict[str, dict], base) -> None:
+        """Refuse, before any work, a source ``convert`` does not take, a conversion's options
+        that do not fit its model (``options``: label -> ``{"design", "heads", "block_layers"}``)
+        and settings of the comparison's config ``base`` the folder cannot serve (a sequence
+        past its context, its tokenizer when it has none); a conversion keeps both."""
+        source = folder_model(self.source)
+        check_fits(dataclasses.replace(base, init_from=str(self.source)), source)
         if self.config.model_type not in SOURCES:
             raise ValueError(f"--from {self.source}: model_type={self.config.model_type!r}; a comparison converts its "
                              f"source, one of {sorted(SOURCES)} (attnres convert's)")

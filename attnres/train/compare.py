@@ -129,7 +129,7 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
                          f"the folder's model trained as it is: include the design 'source'")
     if baseline not in (None, "source"):
         raise ValueError(f"--baseline {baseline!r}: under --from the baseline is the control, 'source'")
-    folders.check(options)
+    folders.check(options, base)
     return Plan(base, designs, seeds, "source", options, {label: None for label in designs}, repeats, None, folders)
 
 

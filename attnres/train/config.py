@@ -26,9 +26,10 @@ class DataConfig:
     ``source``: ``"stdlib"`` (the Python standard library's sources, split by file), a text file
     or folder of text files, a folder with nanoGPT-style ``train.bin``/``val.bin`` (uint16), or
     ``"hf:NAME[:CONFIG]"`` for a Hugging Face ``datasets`` source (needs that package).
-    ``tokenizer``: ``"byte"`` (token b is byte b) or ``"bpe"`` (trained on the training split
-    with the ``tokenizers`` library, ``bpe_vocab_size`` tokens, cached).
-    ``decode_errors``: what a tokenizer that reads text (BPE) does with a file that is not UTF-8:
+    ``tokenizer``: ``"byte"`` (token b is byte b), ``"bpe"`` (trained on the training split
+    with the ``tokenizers`` library, ``bpe_vocab_size`` tokens, cached) or ``"model"`` (the
+    tokenizer of the folder a run continues, ``attnres train --from``).
+    ``decode_errors``: what a tokenizer that reads text (BPE, a folder's) does with a file that is not UTF-8:
     ``"strict"`` refuses it, naming the file and the first bad byte; ``"replace"`` reads each bad
     byte as U+FFFD (a run saved before the field existed did so, and reads as ``"replace"``:
     ``SAVED_BEFORE``).

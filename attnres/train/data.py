@@ -255,7 +255,8 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
     by ``tokenizer`` (a model folder's, ``encode(text) -> ids``; ``model_vocab_size`` its
     model's vocabulary)."""
     src = cfg.source
-    utf8 = cfg.tokenizer == "bpe" and cfg.decode_errors == "strict"  # BPE reads text, bytes need no check
+    # a tokenizer that reads text (BPE, a model folder's) needs UTF-8; bytes need no check
+    utf8 = cfg.tokenizer in ("bpe", "model") and cfg.decode_errors == "strict"
     if src == "stdlib":
         train, val = stdlib_corpus(cfg.val_fraction, utf8=utf8)
         desc = f"Python {sysconfig.get_python_version()} standard library sources, split by file"

@@ -9,7 +9,8 @@ trainer needs of the model, and a function that builds it. So the trainer import
 The module ``build`` returns takes token ids ``[B, T]`` and returns logits ``[B, T, V]``; a
 mixture-of-experts model returns ``(logits, balance)``, ``balance`` its routers' balance loss,
 which the steps add to the language model's loss with the folder's own weight
-(``FolderModel.balance_weight``, ``FolderExperts``), as the model's own training did.
+(``FolderModel.balance_weight``, ``FolderExperts``), as ``transformers`` does with
+``output_router_logits=True``.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class FolderModel:
 def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:
     """``data`` (UTF-8 bytes, ``uint8``) as the token ids of ``tokenizer`` (``encode(text)``
     without special tokens), in chunks of ``chunk`` characters, up to ``limit`` tokens (the
-    rest of the text is not read). A chunk boundary may split a word the tokenizer would have
-    kept whole; at a million characters that is rare."""
+    chunks past it are not tokenized). A chunk boundary may split a word the tokenizer would
+    have kept whole; at a million characters that is rare."""
     text = bytes(data).decode("utf-8", errors="replace")
     ids: list[int] = []
     for i in range(0, len(text), chunk):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..model import match_param_groups
-from .checkpoint import (CheckpointError, is_sharded, latest_checkpoint, load_checkpoint, load_train_state,
-                         save_checkpoint)
+from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkpoint, load_checkpoint,
+                         load_train_state, save_checkpoint)
 from .config import SAVED_BEFORE, TrainConfig, to_dict
 from .sharded import load_full, load_sharded, save_sharded
 from .steps import LayerGradNorms
@@ -65,6 +65,8 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
         weights, state = None, load_train_state(path, cfg.model)
     else:
         weights, state = load_checkpoint(path, cfg.model)
+    if cfg.model is None:  # a folder's model: the state's contents checked here, the weights' names on loading
+        check_state(state, path)
     if state["config"].get("init_from") != cfg.init_from:
         raise ValueError(f"--resume continues the run in {run_dir}, which continued the model of "
                          f"{state['config'].get('init_from')}, and the run given continues {cfg.init_from}")
@@ -103,7 +105,11 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
         if point.weights is None:
             load_sharded(point.path, model, optimizer)
         elif not distributed:
-            model.load_state_dict(point.weights)
+            try:
+                model.load_state_dict(point.weights)
+            except RuntimeError as exc:
+                raise CheckpointError(f"{point.path / 'model.safetensors'}: its weights are not the model's "
+                                      f"({str(exc).splitlines()[0][:200]})") from None
             saved = state["optimizer"]
             groups = match_param_groups(saved["param_groups"], optimizer.param_groups)
             optimizer.load_state_dict({**saved, "param_groups": groups})

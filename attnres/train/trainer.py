@@ -108,10 +108,11 @@ def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if folder is not None:
         corpus = corpus or load_corpus(cfg.data, folder.vocab_size, bpe_dir=run_dir, tokenizer=folder.tokenizer)
-        if corpus.vocab_size > folder.vocab_size:
-            raise ValueError(f"the data's tokenizer ({cfg.data.tokenizer}) has {corpus.vocab_size} tokens and the "
-                             f"model in {folder.folder} embeds {folder.vocab_size}: use data.tokenizer='model' "
-                             f"(the folder's tokenizer)")
+        top = max(int(corpus.train.max(initial=0)), int(corpus.val.max(initial=0)))
+        if top >= folder.vocab_size:  # an id past the embedding: an index error, or a device assert on a GPU
+            raise ValueError(f"the data's tokens (data.tokenizer={cfg.data.tokenizer!r}) reach id {top} and the model "
+                             f"in {folder.folder} embeds {folder.vocab_size}: use the folder's own tokenizer "
+                             f"(data.tokenizer='model')")
     else:
         corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
         if corpus.vocab_size != cfg.model.vocab_size:
@@ -132,8 +133,9 @@ def build_model(cfg: TrainConfig, place: Placement,
     whole by every rank, with the folder's weights (FSDP2 then keeps each rank's shards)."""
     r, device, plan = cfg.run, place.info.device, place.plan
     if folder is not None:
+        torch.manual_seed(r.seed)  # what the folder's model draws (a router's jitter, dropout) follows the seed
         model = folder.build(torch.device("cpu") if plan.wrapping == "fsdp" else device)
-        wrapped = dist.wrap(model, plan.wrapping, folder.fsdp_units(model))
+        wrapped = dist.wrap(model, plan.wrapping, folder.fsdp_units(model) if plan.wrapping == "fsdp" else None)
         return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
     # FSDP2 moves each module it shards to the device and keeps the shard: the part waits on the host
     if plan.pipelined:

@@ -269,7 +269,7 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
 #: under which it acts); ``check_given`` refuses one the user gave where it does nothing
 ONLY_UNDER = {
     "data.bpe_vocab_size": ("data.tokenizer", ("bpe",)),
-    "data.decode_errors": ("data.tokenizer", ("bpe",)),
+    "data.decode_errors": ("data.tokenizer", ("bpe", "model")),
     "optim.decay_fraction": ("optim.schedule", ("wsd",)),
     "optim.min_lr_ratio": ("optim.schedule", ("cosine", "wsd")),
 }
