@@ -414,3 +414,25 @@ def test_the_ablations_preset_is_the_studys_size_with_every_row_as_a_valid_desig
     assert (config["block"].num_blocks, config["block:block_size=4"].block_size) == (8, 4)
     assert (config["full:window=8"].window, config["full:mixing=learned"].mixing) == (8, "learned")
     assert config["block:heads=16"].heads == 16 and config["denseformer"].residual == "denseformer"
+
+
+def test_the_report_says_when_its_runs_come_from_several_machines(comparison, tmp_path):
+    """Each run's summary records its machine; one machine says nothing, and a run whose
+    summary names another machine (a comparison continued elsewhere) is listed with it."""
+    import shutil
+
+    from attnres.train.machine import machine
+
+    root = tmp_path / "copy"
+    shutil.copytree(comparison.parent, root)
+    summaries = sorted(root.glob("*/summary.json"))
+    here = json.loads(summaries[0].read_text())["machine"]
+    mine = machine()  # this process's: the same CPU and PyTorch (its threads are the test worker's)
+    assert (here["cpu"], here["torch"]) == (mine["cpu"], mine["torch"]) and len(here["id"]) == 16
+    assert "machines" not in (root / "report.md").read_text()
+    moved = json.loads(summaries[0].read_text())
+    moved["machine"] = {**here, "id": "0123456789abcdef", "cpu": "another CPU"}
+    summaries[0].write_text(json.dumps(moved))
+    assert cli_in_process("report", root).returncode == 0
+    text = (root / "report.md").read_text()
+    assert "**The runs come from 2 machines**" in text and "0123456789abcdef (another CPU" in text

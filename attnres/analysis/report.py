@@ -156,8 +156,25 @@ def _header(c: Comparison) -> list[str]:
         f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
         *_summary_lines(c.index, c.designs, c.results, unit),
+        *_machines_note(c),
         *_epsilon_note(c),
     ]
+
+
+def _machines_note(c: Comparison) -> list[str]:
+    """When the runs come from more than one machine (``summary.json``'s ``machine``; a
+    comparison continued elsewhere), which ran where: runs reproduce bit for bit on one machine
+    only, so a pair split over machines differs by their arithmetic too."""
+    where: dict[str, list[str]] = {}
+    for r in c.runs:
+        m = r["summary"].get("machine") or {}
+        where.setdefault(f"{m.get('id', 'unrecorded')} ({m.get('cpu', '?')}, {m.get('threads', '?')} threads)",
+                         []).append(f"{r['design']} seed {r['seed']}")
+    if len(where) < 2:
+        return []
+    return ["", f"**The runs come from {len(where)} machines**: " + "; ".join(
+        f"{m}: {', '.join(runs)}" for m, runs in where.items()) + ". Runs reproduce bit for bit on one machine "
+        "only: a paired difference whose two runs ran on different machines holds the machines' difference too.", ""]
 
 
 def _epsilon_note(c: Comparison) -> list[str]:

@@ -47,6 +47,7 @@ from .config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
 from .data import batch_at, load_corpus
 from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
 from .lock import FolderLock
+from .machine import machine
 from .run_dir import RUN_FILES
 from .signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
@@ -301,6 +302,13 @@ def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome
     each run in ``compare.json`` as it ends; then the report. A SIGINT or SIGTERM stops the run
     in progress (its checkpoint saved) and the comparison: no other run starts."""
     start, spent = time.time(), index.get("wall_time_s", 0.0)
+    here, seen = machine(pick_device(plan.base.run.device))["id"], index.setdefault("machines", [])
+    if seen and here not in seen:
+        log(f"warning: this machine ({here}) is not the one that trained the comparison's runs so far "
+            f"({', '.join(seen)}): runs reproduce bit for bit on one machine only, so a pair whose runs ran on "
+            f"different machines differs by the machines' arithmetic too; the report lists which ran where")
+    if here not in seen:
+        seen.append(here)
     with Signals() as signals:
         source = plan.folder("source", root)
         if source is None:

@@ -39,6 +39,7 @@ from .checkpoint import latest_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
 from .folder_model import FolderExperts, FolderModel, check_fits, logits_of
+from .machine import machine
 from .materialize import rank_model
 from .parallel_plan import ParallelPlan, run_plan
 from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups
@@ -421,7 +422,8 @@ def run_logged(run: Run, resumed: bool) -> Progress:
 
 def summarize(run: Run, progress: Progress) -> dict:
     """The run's numbers (``summary.json``): its steps and tokens, final losses, parameters,
-    time and throughput over this job's steps, peak memory, mean per-layer gradient norms."""
+    time and throughput over this job's steps, peak memory, mean per-layer gradient norms, the
+    machine (``machine.machine``: runs reproduce bit for bit on one machine only)."""
     tokens_per_step = run.tokens_per_step
     steps_run = max(1, progress.done - run.start_step)
     folder = run.folder
@@ -441,6 +443,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         world_size=run.info.world_size,
         parallel=run.place.plan.describe(),
         ranks=rank_entries(run, progress),
+        machine=machine(run.info.device),
         **({} if folder is None else dict(init_from=folder.describe())),
     )
 
