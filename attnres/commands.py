@@ -76,6 +76,8 @@ def run_folder_name(cfg) -> str:
 COMPARE_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets",
                     "--from", "--shock-steps", "--tasks", "--include-path", "--limit")
 SWEEP_SETTINGS = ("--preset", "--set", "--data", "--designs", "--seeds", "--baseline", "--out", "--budgets", "--over")
+#: the settings of a comparison --from a model folder alone
+FOLDER_COMPARISON_SETTINGS = ("--shock-steps", "--tasks", "--include-path", "--limit")
 
 
 def given_settings(argv, options=COMPARE_SETTINGS) -> list[str]:
@@ -143,7 +145,6 @@ def cmd_compare(args) -> int:
             raise ValueError("--resume continues the comparison with the settings it was started "
                              f"with; leave out {' '.join(given)}")
         from .analysis.comparison import load_index
-
         from .train.compare import ComparisonOutcome
 
         root = Path(args.resume)
@@ -158,11 +159,10 @@ def cmd_compare(args) -> int:
         else:
             outcome = resume_comparison(root, folders=folders)
     else:
-        for option, value in (("--shock-steps", args.shock_steps != 100), ("--tasks", args.tasks),
-                              ("--include-path", args.include_path), ("--limit", args.limit)):
-            if value and not args.init_from:
-                raise ValueError(f"{option} applies to a comparison --from a model folder (the conversion against "
-                                 f"its control); give --from MODEL_DIR or leave it out")
+        given = given_settings(args.argv[1:], FOLDER_COMPARISON_SETTINGS)
+        if given and not args.init_from:
+            raise ValueError(f"{given[0]} applies to a comparison --from a model folder (the conversion against "
+                             f"its control); give --from MODEL_DIR or leave it out")
         init_from = Path(args.init_from) if args.init_from else None
         cfg, designs, seeds, overrides = comparison_settings(args, init_from)
         folders, extra = None, {}
