@@ -261,6 +261,18 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
 
 
+def save_with_tokenizer(model, src: Path, dst: Path) -> None:
+    """``model`` and the tokenizer files of folder ``src`` (``TOKENIZER_FILES``) written to
+    ``dst`` through ``replace_folder``: beside it, renamed into place when complete."""
+    def fill(folder: Path) -> None:
+        model.save_pretrained(str(folder))
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, folder / name)
+
+    replace_folder(dst, fill)
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int | list[int] = 4,
                        overwrite: bool = False) -> dict:
     """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
@@ -272,14 +284,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, bloc
     src, dst = Path(src), Path(dst)
     check_destination(src, dst, overwrite)
     model = convert(src, heads=heads, block_layers=block_layers)
-
-    def fill(folder: Path) -> None:
-        model.save_pretrained(str(folder))
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, folder / name)
-
-    replace_folder(dst, fill)
+    save_with_tokenizer(model, src, dst)
     added = sum(p.numel() for p in routing_parameters(model).values())
     return {"added_parameters": added, "base_parameters": sum(p.numel() for p in model.parameters()) - added,
             "model_type": model.config.model_type}

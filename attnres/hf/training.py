@@ -11,7 +11,6 @@ back as a folder of the architecture it came from, with the source folder's toke
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,11 +18,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..analysis.comparison import label_path
-from ..files import replace_folder
 from ..streams.delta import check_routing_options
 from ..train.designs import parse_folder_design
 from ..train.folder_model import FolderModel, check_fits
-from .convert import CONVERTED, SOURCES, TOKENIZER_FILES, check_destination, convert_checkpoint
+from .convert import CONVERTED, SOURCES, check_destination, convert_checkpoint, save_with_tokenizer
 
 #: the folder model types whose forward returns a router's balance loss
 MOE_TYPES = ("mixtral", "qwen3_moe", "attnres_mixtral", "attnres_qwen3_moe")
@@ -157,14 +155,7 @@ def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) ->
     if not all(k.startswith(PREFIX) for k in weights):
         raise ValueError(f"{checkpoint}: its weights are not a folder model's (names under {PREFIX!r})")
     model.load_state_dict({k.removeprefix(PREFIX): v for k, v in weights.items()})
-
-    def fill(folder: Path) -> None:
-        model.save_pretrained(str(folder))
-        for name in TOKENIZER_FILES:
-            if (source / name).exists():
-                shutil.copy2(source / name, folder / name)
-
-    replace_folder(out, fill)
+    save_with_tokenizer(model, source, out)
     return dict(step=state["step"], parameters=sum(p.numel() for p in model.parameters()), checkpoint=str(checkpoint))
 
 
