@@ -436,3 +436,35 @@ def test_the_report_says_when_its_runs_come_from_several_machines(comparison, tm
     assert cli_in_process("report", root).returncode == 0
     text = (root / "report.md").read_text()
     assert "**The runs come from 2 machines**" in text and "0123456789abcdef (another CPU" in text
+    assert "different corpora" not in text
+
+
+def test_each_run_records_the_tokens_it_read_and_the_report_says_when_they_differ(comparison, tmp_path):
+    """summary.json's data_sha256 is the digest of the tokens the run read (Corpus.digest): one
+    for every run of a comparison, changed by one token; a run that read other data is listed."""
+    import shutil
+
+    import numpy as np
+
+    from attnres.train.data import Corpus
+
+    root = tmp_path / "copy"
+    shutil.copytree(comparison.parent, root)
+    summaries = sorted(root.glob("*/summary.json"))
+    digests = {json.loads(p.read_text())["data_sha256"] for p in summaries}
+    assert len(summaries) > 1 and len(digests) == 1 and len(digests.pop()) == 16
+    tokens = np.arange(100, dtype=np.uint16)
+    one = Corpus(tokens, tokens[:10], 256, "x").digest()
+    changed = tokens.copy()
+    changed[50] += 1
+    assert one == Corpus(tokens.copy(), tokens[:10].copy(), 256, "y").digest()
+    assert one != Corpus(changed, tokens[:10], 256, "x").digest()
+    # the same tokens split elsewhere between train and validation
+    assert Corpus(tokens[:50], tokens[50:], 256, "x").digest() != Corpus(tokens[:60], tokens[60:], 256, "x").digest()
+    assert one != Corpus(tokens.astype(np.int64), tokens[:10], 256, "x").digest()
+    other = json.loads(summaries[0].read_text())
+    other["data_sha256"] = "fedcba9876543210"
+    summaries[0].write_text(json.dumps(other))
+    assert cli_in_process("report", root).returncode == 0
+    text = (root / "report.md").read_text()
+    assert "**The runs read 2 different corpora**" in text and "fedcba9876543210: " in text

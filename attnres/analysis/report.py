@@ -157,6 +157,7 @@ def _header(c: Comparison) -> list[str]:
         "",
         *_summary_lines(c.index, c.designs, c.results, unit),
         *_machines_note(c),
+        *_data_note(c),
         *_epsilon_note(c),
     ]
 
@@ -175,6 +176,21 @@ def _machines_note(c: Comparison) -> list[str]:
     return ["", f"**The runs come from {len(where)} machines**: " + "; ".join(
         f"{m}: {', '.join(runs)}" for m, runs in where.items()) + ". Runs reproduce bit for bit on one machine "
         "only: a paired difference whose two runs ran on different machines holds the machines' difference too.", ""]
+
+
+def _data_note(c: Comparison) -> list[str]:
+    """When the runs read different tokens (``summary.json``'s ``data_sha256``: the standard
+    library's corpus is each machine's interpreter's), which read which: their pairs then differ
+    by their data too. Runs from before the digest was recorded are left out."""
+    read: dict[str, list[str]] = {}
+    for r in c.runs:
+        if r["summary"].get("data_sha256"):
+            read.setdefault(r["summary"]["data_sha256"], []).append(f"{r['design']} seed {r['seed']}")
+    if len(read) < 2:
+        return []
+    return ["", f"**The runs read {len(read)} different corpora** (`data_sha256`): " + "; ".join(
+        f"{d}: {', '.join(runs)}" for d, runs in read.items()) + ". A paired difference whose two runs read "
+        "different data holds the data's difference too.", ""]
 
 
 def _epsilon_note(c: Comparison) -> list[str]:

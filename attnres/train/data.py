@@ -45,6 +45,20 @@ class Corpus:
     description: str
     tokenizer_path: str | None = None
 
+    def digest(self) -> str:
+        """16 hex digits of a SHA-256 over the train and then the validation tokens (with their
+        dtype and length): equal for two runs that read the same data. The standard library's
+        corpus is the installed interpreter's, so two machines' runs of one command may read
+        different data; ``summary.json`` records this to tell that apart from their arithmetic."""
+        h = hashlib.sha256()
+        for tokens in (self.train, self.val):
+            h.update(f"{tokens.dtype.str}:{len(tokens)};".encode())
+            for start in range(0, len(tokens), _DIGEST_CHUNK):  # memory-mapped files stay unread in bulk
+                h.update(np.ascontiguousarray(tokens[start:start + _DIGEST_CHUNK]).tobytes())
+        return h.hexdigest()[:16]
+
+
+_DIGEST_CHUNK = 1 << 24
 
 # -- the standard library ------------------------------------------------------------------
 

@@ -422,8 +422,9 @@ def run_logged(run: Run, resumed: bool) -> Progress:
 
 def summarize(run: Run, progress: Progress) -> dict:
     """The run's numbers (``summary.json``): its steps and tokens, final losses, parameters,
-    time and throughput over this job's steps, peak memory, mean per-layer gradient norms, the
-    machine (``machine.machine``: runs reproduce bit for bit on one machine only)."""
+    time and throughput over this job's steps, peak memory, mean per-layer gradient norms, a digest
+    of the tokens read (``Corpus.digest``), the machine (``machine.machine``: runs reproduce bit
+    for bit on one machine only)."""
     tokens_per_step = run.tokens_per_step
     steps_run = max(1, progress.done - run.start_step)
     folder = run.folder
@@ -440,6 +441,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         layer_grad_norms=run.grad_norms.mean(),
         interrupted=progress.interrupted,
         data=run.corpus.description,
+        data_sha256=run.corpus.digest(),
         world_size=run.info.world_size,
         parallel=run.place.plan.describe(),
         ranks=rank_entries(run, progress),
