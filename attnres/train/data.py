@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import stat
 import sysconfig
 from dataclasses import dataclass
@@ -273,7 +274,7 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
     utf8 = cfg.tokenizer in ("bpe", "model") and cfg.decode_errors == "strict"
     if src == "stdlib":
         train, val = stdlib_corpus(cfg.val_fraction, utf8=utf8)
-        desc = f"Python {sysconfig.get_python_version()} standard library sources, split by file"
+        desc = f"Python {platform.python_version()} standard library sources, split by file"
     elif src.startswith("hf:"):
         train_text, val_text = hf_text(src, cfg.val_fraction)
         train, val = np.frombuffer(train_text, np.uint8), np.frombuffer(val_text, np.uint8)
