@@ -54,12 +54,13 @@ class Corpus:
         h = hashlib.sha256()
         for tokens in (self.train, self.val):
             h.update(f"{tokens.dtype.str}:{len(tokens)};".encode())
-            for start in range(0, len(tokens), _DIGEST_CHUNK):  # memory-mapped files stay unread in bulk
+            for start in range(0, len(tokens), _DIGEST_CHUNK):  # in chunks: a memory-mapped file is never copied whole
                 h.update(np.ascontiguousarray(tokens[start:start + _DIGEST_CHUNK]).tobytes())
         return h.hexdigest()[:16]
 
 
 _DIGEST_CHUNK = 1 << 24
+
 
 # -- the standard library ------------------------------------------------------------------
 
