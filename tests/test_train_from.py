@@ -151,6 +151,23 @@ def test_refusals_name_the_setting_and_leave_no_folder(folders, tmp_path, args, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_whose_source_folder_moved_names_its_saved_init_from(trained, tmp_path):
+    """Resuming or exporting a run whose source folder is gone names the run's saved init_from,
+    not an option the command was not given."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained["conv"][0], run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["init_from"] = str(tmp_path / "moved")
+    (run_dir / "config.json").write_text(json.dumps(config))
+    for args in (("export", run_dir, tmp_path / "out"), ("train", "--resume", "--run-dir", run_dir)):
+        result = cli_in_process(*args)
+        assert result.returncode != 0 and "--from" not in result.stderr, result.stderr
+        assert f"the run's init_from ({run_dir / 'config.json'}) {tmp_path / 'moved'}: not a model folder" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_folder_or_a_folder_without_a_model_is_refused(trained, tmp_path):
     result = cli_in_process("train", "--from", trained["conv"][0], *TINY, "--run-dir", tmp_path / "run")
     assert result.returncode != 0 and "is a training run's folder: continue it with attnres train --resume" in result.stderr

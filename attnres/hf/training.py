@@ -89,34 +89,36 @@ def decoder_layers(model: FolderLM) -> list[nn.Module]:
     return list(inner.layers)
 
 
-def read_config(path: Path):
-    """The folder's config, its model type one ``train --from`` takes (``ValueError`` naming it)."""
+def read_config(path: Path, given: str = "--from"):
+    """The folder's config, its model type one ``train --from`` takes (``ValueError`` naming it as
+    ``given``: the option, or a run's saved ``init_from`` when the run is resumed or exported)."""
     import attnres.hf  # noqa: F401  (registers the attnres and attnres_<source> model types)
 
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(f"--from {path}: not a model folder (no config.json); give a Hugging Face model's folder "
+        raise ValueError(f"{given} {path}: not a model folder (no config.json); give a Hugging Face model's folder "
                          f"(attnres convert, attnres export, or a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder)")
     if (path / "checkpoints").is_dir():
-        raise ValueError(f"--from {path} is a training run's folder: continue it with attnres train --resume "
+        raise ValueError(f"{given} {path} is a training run's folder: continue it with attnres train --resume "
                          f"--run-dir {path}, or export it first (attnres export {path} OUT)")
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, KeyError) as exc:
-        raise ValueError(f"--from {path}: its config.json does not load ({str(exc).splitlines()[0][:200]})") from None
+        raise ValueError(f"{given} {path}: its config.json does not load ({str(exc).splitlines()[0][:200]})") from None
     accepted = (*SOURCES, *(f"attnres_{s}" for s in CONVERTED), "attnres")
     if config.model_type not in accepted:
-        raise ValueError(f"--from {path}: model_type={config.model_type!r}; train --from takes {sorted(accepted)}")
+        raise ValueError(f"{given} {path}: model_type={config.model_type!r}; train --from takes {sorted(accepted)}")
     if config.model_type == "attnres" and config.model_config().moe_experts:
-        raise ValueError(f"--from {path}: an attnres mixture-of-experts export; continue its training run with "
+        raise ValueError(f"{given} {path}: an attnres mixture-of-experts export; continue its training run with "
                          f"attnres train --resume (its balance bias and statistics are the run's)")
     return config
 
 
-def folder_model(path: str | Path) -> FolderModel:
+def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
     """The model in folder ``path`` as the trainer takes it (``FolderModel``); its sizes are read
-    from its config alone (the weights load when the trainer builds it)."""
+    from its config alone (the weights load when the trainer builds it). ``given`` names the
+    path in errors (``read_config``)."""
     path = Path(path).expanduser().resolve()
-    config = read_config(path)
+    config = read_config(path, given)
     moe = config.model_type in MOE_TYPES
     with torch.device("meta"):
         shape = AutoModelForCausalLM.from_config(config)
@@ -141,7 +143,7 @@ def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) ->
     from ..train.sharded import read_weights
 
     source = Path(cfg.init_from)
-    config = read_config(source)
+    config = read_config(source, f"the run's init_from ({run_dir / 'config.json'})")
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
         raise ValueError(f"{run_dir} has no checkpoint to export")
