@@ -248,9 +248,9 @@ def cmd_train(args) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else None
     folder = None
     if cfg.init_from is not None:  # the folder's model, read by the layer that knows its format
-        from .hf.training import folder_model
+        from .hf.training import folder_model, saved_init_from
 
-        folder = folder_model(cfg.init_from, f"the run's init_from ({run_dir / 'config.json'})" if args.resume else "--from")
+        folder = folder_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second

@@ -162,15 +162,26 @@ def _header(c: Comparison) -> list[str]:
     ]
 
 
+def _runs_by(c: Comparison, key) -> dict[str, list[str]]:
+    """The runs (``"<design> seed <n>"``) grouped by ``key(summary)``; a run whose key is None
+    (a field recorded only since) is left out."""
+    groups: dict[str, list[str]] = {}
+    for r in c.runs:
+        k = key(r["summary"])
+        if k is not None:
+            groups.setdefault(k, []).append(f"{r['design']} seed {r['seed']}")
+    return groups
+
+
 def _machines_note(c: Comparison) -> list[str]:
     """When the runs come from more than one machine (``summary.json``'s ``machine``; a
     comparison continued elsewhere), which ran where: runs reproduce bit for bit on one machine
     only, so a pair split over machines differs by their arithmetic too."""
-    where: dict[str, list[str]] = {}
-    for r in c.runs:
-        m = r["summary"].get("machine") or {}
-        where.setdefault(f"{m.get('id', 'unrecorded')} ({m.get('cpu', '?')}, {m.get('threads', '?')} threads)",
-                         []).append(f"{r['design']} seed {r['seed']}")
+    def described(summary: dict) -> str:
+        m = summary.get("machine") or {}
+        return f"{m.get('id', 'unrecorded')} ({m.get('cpu', '?')}, {m.get('threads', '?')} threads)"
+
+    where = _runs_by(c, described)
     if len(where) < 2:
         return []
     return ["", f"**The runs come from {len(where)} machines**: " + "; ".join(
@@ -182,10 +193,7 @@ def _data_note(c: Comparison) -> list[str]:
     """When the runs read different tokens (``summary.json``'s ``data_sha256``: the standard
     library's corpus is each machine's interpreter's), which read which: their pairs then differ
     by their data too. Runs from before the digest was recorded are left out."""
-    read: dict[str, list[str]] = {}
-    for r in c.runs:
-        if r["summary"].get("data_sha256"):
-            read.setdefault(r["summary"]["data_sha256"], []).append(f"{r['design']} seed {r['seed']}")
+    read = _runs_by(c, lambda summary: summary.get("data_sha256"))
     if len(read) < 2:
         return []
     return ["", f"**The runs read {len(read)} different corpora** (`data_sha256`): " + "; ".join(

@@ -113,6 +113,12 @@ def read_config(path: Path, given: str = "--from"):
     return config
 
 
+def saved_init_from(run_dir: Path) -> str:
+    """How errors name a run's saved source folder (``read_config``'s ``given``) when the run is
+    resumed or exported rather than started with ``--from``."""
+    return f"the run's init_from ({Path(run_dir) / 'config.json'})"
+
+
 def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
     """The model in folder ``path`` as the trainer takes it (``FolderModel``); its sizes are read
     from its config alone (the weights load when the trainer builds it). ``given`` names the
@@ -143,7 +149,7 @@ def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) ->
     from ..train.sharded import read_weights
 
     source = Path(cfg.init_from)
-    config = read_config(source, f"the run's init_from ({run_dir / 'config.json'})")
+    config = read_config(source, saved_init_from(run_dir))
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
         raise ValueError(f"{run_dir} has no checkpoint to export")
