@@ -1,0 +1,175 @@
+"""The ladders' tables and figures (docs/RESULTS.md, "Ladders"), from their folders:
+
+    python studies/ladder_tables.py --compute runs/ladder-compute/compare-<ts> \\
+        --depth runs/ladder-depth/sweep-<ts> --depth16 runs/ladder-depth16/compare-<ts> \\
+        --width runs/ladder-width/sweep-<ts> --out docs/study/ladders
+
+Depth gathers its points from three places (the plan in RESULTS.md): 4 and 32 layers from the
+depth sweep (with PreNorm's budgets 1, 2 and 3), 16 layers from its own comparison, and 8 layers
+from the compute ladder's seeds 0-2 (the same config, so the same runs). Every difference is
+paired over the seeds both runs hold, 95% Student-t (``analysis.stats.paired_difference``); a
+multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point. Markdown goes
+to stdout, the figures (``depth.png``, ``width.png``) and ``ladders.json`` to ``--out``. Any of
+the folders may be left out; its table is then left out too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from attnres.analysis.budget import budget_run_labels, compute_equivalent
+from attnres.analysis.comparison import load_comparison
+from attnres.analysis.figures import pyplot, save_figure
+from attnres.analysis.stats import mean_and_sd, paired_difference
+from attnres.files import read_json
+
+DEPTH_SEEDS = ("0", "1", "2")
+
+
+def point_numbers(folder: Path, seeds=None) -> dict:
+    """One comparison's numbers: per design its final losses by seed (restricted to ``seeds``
+    when given), its paired gap to the baseline, its multiplier where the baseline trained at
+    larger budgets, and the width probe of each run that has one."""
+    c = load_comparison(folder)
+    keep = (lambda s: s in seeds) if seeds else (lambda s: True)
+    losses = {name: {s: v for s, v in e["val_loss"].items() if keep(s)} for name, e in c.results["designs"].items()}
+    base = losses[c.baseline]
+    curves = None
+    if c.results.get("budgets"):
+        labels = budget_run_labels(c.index)
+        runs = c.results["budget_runs"]
+        curves = {s: [loss, *(runs[label]["val_loss"].get(s) for label in labels)] for s, loss in base.items()}
+        curves = {s: curve for s, curve in curves.items() if None not in curve}
+    designs = {}
+    for name, by_seed in losses.items():
+        mean, sd = mean_and_sd(list(by_seed.values()))
+        entry = {"val_loss": by_seed, "mean": mean, "sd": sd}
+        if name != c.baseline:
+            entry["gap"] = paired_difference(base, by_seed)
+        if curves:
+            times = (c.index.get("step_times") or {}).get(name, {})
+            entry["compute_equivalent"] = compute_equivalent(c.results["budgets"], curves,
+                                                             {s: v for s, v in by_seed.items() if s in curves},
+                                                             times.get("ratio"))
+        probes = [r["analysis"]["width_probe"] for r in c.designs[name]
+                  if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("width_probe")]
+        if probes:
+            entry["width_probe"] = [p["probe"] for p in probes]
+        designs[name] = entry
+    return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
+            "model": c.index["config"]["model"]}
+
+
+def sweep_points(folder: Path) -> list[tuple[dict, Path]]:
+    index = read_json(folder / "sweep.json")
+    return [(p["values"], folder / p["dir"]) for p in index["points"]]
+
+
+def fmt_gap(gap: dict) -> str:
+    if gap["ci95"] is None:
+        return f"{gap['diff_mean']:+.4f}"
+    low, high = gap["ci95"]
+    return f"{gap['diff_mean']:+.4f} [{low:+.3f}, {high:+.3f}] {gap['verdict']}"
+
+
+def fmt_multiplier(ce: dict | None) -> str:
+    if ce is None:
+        return ""
+    if ce["budget"] is None:
+        return f"beyond ({ce['beyond']})"
+    ci = "" if ce["ci95"] is None else f" [{ce['ci95'][0]:.2f}, {ce['ci95'][1]:.2f}]"
+    return f"{ce['budget']:.2f}{ci}"
+
+
+def gap_table(points: dict[str, dict], column: str) -> list[str]:
+    """Rows per point: the baseline's loss, each design's gap and multiplier."""
+    first = next(iter(points.values()))
+    names = [n for n in first["designs"] if n != first["baseline"]]
+    lines = [f"| {column} | {first['baseline']} loss | " + " | ".join(f"{n} gap" for n in names) + " |",
+             "|---" * (2 + len(names)) + "|"]
+    for where, p in points.items():
+        base = p["designs"][p["baseline"]]
+        lines.append(f"| {where} | {base['mean']:.4f} ± {base['sd']:.4f} | "
+                     + " | ".join(fmt_gap(p["designs"][n]["gap"]) for n in names) + " |")
+    with_budgets = {w: p for w, p in points.items() if p["budgets"]}
+    if with_budgets:
+        lines += ["", f"| {column} | budgets | " + " | ".join(f"{n} multiplier" for n in names) + " |",
+                  "|---" * (2 + len(names)) + "|"]
+        for where, p in with_budgets.items():
+            lines.append(f"| {where} | {' '.join(f'{b:g}' for b in p['budgets'])} | "
+                         + " | ".join(fmt_multiplier(p["designs"][n].get("compute_equivalent")) for n in names) + " |")
+    return lines
+
+
+def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
+    """Each design's gap to the baseline against the ladder's points, with its paired interval;
+    beside it the baseline's own final loss."""
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    first = next(iter(points.values()))
+    names = [n for n in first["designs"] if n != first["baseline"]]
+    xs = list(range(len(points)))
+    width = 0.5 / max(1, len(names))
+    for k, name in enumerate(names):
+        gaps = [p["designs"][name]["gap"] for p in points.values()]
+        mids = [g["diff_mean"] for g in gaps]
+        err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
+               [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
+        ax.errorbar([x + (k - (len(names) - 1) / 2) * width for x in xs], mids, yerr=err, marker="o", ms=4,
+                    capsize=3, label=name, color=f"C{k + 1}")
+    ax.axhline(0, color="C0", lw=1, label=first["baseline"])
+    ax.set_xticks(xs, list(points))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"final loss - {first['baseline']} (nats/token)")
+    ax.legend(fontsize=8)
+    base = [p["designs"][p["baseline"]] for p in points.values()]
+    bx.errorbar(xs, [b["mean"] for b in base], yerr=[b["sd"] for b in base], marker="o", capsize=3, color="C0")
+    bx.set_xticks(xs, list(points))
+    bx.set_xlabel(xlabel)
+    bx.set_ylabel(f"{first['baseline']} final loss (mean ± sd over seeds)")
+    save_figure(plt, fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compute", type=Path)
+    parser.add_argument("--depth", type=Path, help="the depth sweep (4 and 32 layers, with budgets)")
+    parser.add_argument("--depth16", type=Path, help="the comparison at 16 layers")
+    parser.add_argument("--width", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {}
+    if args.compute:
+        out["compute"] = point_numbers(args.compute)
+        print("### Compute (the study's size, six seeds)\n")
+        print("\n".join(gap_table({"the study's size": out["compute"]}, "point")) + "\n")
+    folders = [folder for _, folder in sweep_points(args.depth)] if args.depth else []
+    folders += [f for f in (args.depth16, args.compute) if f]
+    depth = [point_numbers(f, DEPTH_SEEDS) for f in folders if (f / "compare.json").is_file()]
+    if depth:
+        depth = {f"{p['model']['n_layers']} layers": p for p in sorted(depth, key=lambda p: p["model"]["n_layers"])}
+        out["depth"] = depth
+        print("### Depth (seeds 0-2)\n")
+        print("\n".join(gap_table(depth, "depth")) + "\n")
+        draw_gaps(depth, "depth (layers; 8 blocks each)", args.out / "depth.png")
+    if args.width:
+        width = {f"dim {values['model.dim']}": point_numbers(folder) for values, folder in sweep_points(args.width)
+                 if (folder / "compare.json").is_file()}
+        out["width"] = width
+        print("### Width (seeds 0-2)\n")
+        print("\n".join(gap_table(width, "width")) + "\n")
+        print("| width | block - mhar | block's width probe (4 slices), per seed |", "|---|---|---|", sep="\n")
+        for where, p in width.items():
+            block, mhar = (next(p["designs"][n] for n in p["designs"] if n.startswith(k)) for k in ("block", "mhar"))
+            probes = ", ".join(f"{v:+.4f}" for v in block.get("width_probe", []))
+            print(f"| {where} | {fmt_gap(paired_difference(mhar['val_loss'], block['val_loss']))} | {probes} |")
+        print()
+        draw_gaps(width, "width (model.dim; head width 24)", args.out / "width.png")
+    (args.out / "ladders.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
