@@ -468,3 +468,11 @@ def test_each_run_records_the_tokens_it_read_and_the_report_says_when_they_diffe
     assert cli_in_process("report", root).returncode == 0
     text = (root / "report.md").read_text()
     assert "**The runs read 2 different corpora**" in text and "fedcba9876543210: " in text
+
+
+@pytest.mark.parametrize("value, text", [(0.0, "+0.0000"), (-0.01234, "-0.0123"), (5e-5, "+0.0001"),
+                                         (-2.4e-5, "-2.40e-05"), (3e-7, "+3.00e-07")])
+def test_differences_too_small_for_four_decimals_are_written_in_scientific_notation(value, text):
+    from attnres.analysis.report import _signed
+
+    assert _signed(value) == text

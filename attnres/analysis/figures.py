@@ -152,10 +152,15 @@ def plot_budget_curve(plt, results, baseline, path):
     save_figure(plt, fig, path)
 
 
-def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path):
+def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path, control: str | None = None):
     """Each design's training loss at every one of the first steps (design -> step -> loss), of
-    one seed: a conversion's optimization shock shows as a gap to the control's curve."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    one seed: a conversion's optimization shock shows as a gap to the control's curve. With
+    ``control``, a second panel draws each other design's loss minus the control's, step by
+    step, against the control's own noise (the standard deviation of its step-to-step changes,
+    shaded): where the curves overlap to the eye the difference still shows."""
+    with_diff = control in curves and len(curves) > 1
+    fig, axes = plt.subplots(1, 2 if with_diff else 1, figsize=(12 if with_diff else 7, 4.2), squeeze=False)
+    ax = axes[0][0]
     for k, (name, losses) in enumerate(curves.items()):
         steps = sorted(losses)
         ax.plot(steps, [losses[s] for s in steps], lw=1.2, label=name, color=f"C{k}")
@@ -164,4 +169,20 @@ def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path):
     ax.set_title(f"The first {max(len(c) for c in curves.values())} steps, seed {seed}")
     ax.grid(alpha=0.3)
     ax.legend()
+    if with_diff:
+        bx, base = axes[0][1], curves[control]
+        steps = sorted(base)
+        changes = [base[b] - base[a] for a, b in zip(steps, steps[1:])]
+        noise = statistics.stdev(changes) if len(changes) > 1 else 0.0
+        bx.axhspan(-noise, noise, color="C0", alpha=0.12, label=f"{control}'s step-to-step noise (sd {noise:.3g})")
+        for k, (name, losses) in enumerate(curves.items()):
+            if name != control:
+                common = [s for s in steps if s in losses]
+                bx.plot(common, [losses[s] - base[s] for s in common], lw=1.2, label=name, color=f"C{k}")
+        bx.set_xlabel("step")
+        bx.set_ylabel(f"training loss - {control}'s (nats/token)")
+        bx.set_yscale("symlog", linthresh=1e-6)
+        bx.set_title(f"Difference to {control}, seed {seed}")
+        bx.grid(alpha=0.3)
+        bx.legend(fontsize=8)
     save_figure(plt, fig, path)

@@ -49,6 +49,12 @@ def rerun_command(index: dict, seeds=(0, 1, 2)) -> str:
     return shlex.join([*words, "--seeds", *map(str, seeds)])
 
 
+def _signed(x: float) -> str:
+    """A difference in nats, to 4 decimals; one too small for them (a conversion that has barely
+    left its source) in scientific notation rather than as a bare +0.0000."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.2e}"
+
+
 def _summary_lines(index, designs, results, unit) -> list[str]:
     baseline = results["baseline"]
     entries = results["designs"]
@@ -64,10 +70,10 @@ def _summary_lines(index, designs, results, unit) -> list[str]:
         elif e["diff_mean"] is None:  # a pair that saw other tokens: no difference is taken
             cells += ["not compared: other tokens"] + ["", "not compared"] * paired
         else:
-            cells.append(f"{e['diff_mean']:+.4f}")
+            cells.append(_signed(e["diff_mean"]))
             if paired:
                 low, high = e["ci95"]
-                cells += [f"[{low:+.4f}, {high:+.4f}]", "not resolved" if e["verdict"] == "unresolved" else e["verdict"]]
+                cells += [f"[{_signed(low)}, {_signed(high)}]", "not resolved" if e["verdict"] == "unresolved" else e["verdict"]]
         cells += [f"{runs[0]['summary']['parameters']:,}", f"{_mean(r['summary']['peak_memory_mib'] for r in runs):,.0f}"]
         return "| " + " | ".join(cells) + " |"
 
@@ -321,7 +327,7 @@ def _shock_section(c: Comparison, plt) -> list[str]:
     steps = min(s["steps"] for s in shocks.values())
     seed = c.seeds[0]
     plot_first_steps(plt, {name: first_losses(next(r for r in runs if r["seed"] == seed), steps)
-                           for name, runs in c.designs.items()}, seed, c.root / "first_steps.png")
+                           for name, runs in c.designs.items()}, seed, c.root / "first_steps.png", control=c.baseline)
     lines = ["## Optimization shock", "",
              f"Every one of the first {steps} steps' training loss, each conversion's against the control's "
              f"({c.baseline}) on the same batches: the difference at the first step (before any update; 0 when the "
@@ -331,7 +337,7 @@ def _shock_section(c: Comparison, plt) -> list[str]:
              "| design | step-0 difference | largest difference | control's noise |", "|---|---|---|---|"]
     for name, s in shocks.items():
         noise = "" if s["control_noise"] is None else f"{s['control_noise']:.4f}"
-        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.4f} | {noise} |")
+        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.3g} | {noise} |")
     return [*lines, "", "![the first steps](first_steps.png)", ""]
 
 
