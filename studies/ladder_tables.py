@@ -44,10 +44,13 @@ def point_numbers(folder: Path, seeds=None) -> dict:
         curves = {s: curve for s, curve in curves.items() if None not in curve}
     designs = {}
     for name, by_seed in losses.items():
+        if not by_seed:
+            raise ValueError(f"{folder}: design {name!r} has no finished run among seeds {sorted(seeds or [])}")
         mean, sd = mean_and_sd(list(by_seed.values()))
         entry = {"val_loss": by_seed, "mean": mean, "sd": sd}
-        if name != c.baseline:
-            entry["gap"] = paired_difference(base, by_seed)
+        if name != c.baseline:  # a pair that read other tokens is not compared (the report's rule)
+            compared = c.results["designs"][name].get("diff_mean") is not None
+            entry["gap"] = paired_difference(base, by_seed) if compared else None
         if curves:
             times = (c.index.get("step_times") or {}).get(name, {})
             entry["compute_equivalent"] = compute_equivalent(c.results["budgets"], curves,
@@ -67,20 +70,31 @@ def sweep_points(folder: Path) -> list[tuple[dict, Path]]:
     return [(p["values"], folder / p["dir"]) for p in index["points"]]
 
 
-def fmt_gap(gap: dict) -> str:
+def fmt_gap(gap: dict | None) -> str:
+    if gap is None:
+        return "not compared: other tokens"
     if gap["ci95"] is None:
-        return f"{gap['diff_mean']:+.4f}"
+        return f"{gap['diff_mean']:+.4f} (one seed)"
     low, high = gap["ci95"]
-    return f"{gap['diff_mean']:+.4f} [{low:+.3f}, {high:+.3f}] {gap['verdict']}"
+    return f"{gap['diff_mean']:+.4f} [{low:+.4f}, {high:+.4f}] {gap['verdict']}"
 
 
 def fmt_multiplier(ce: dict | None) -> str:
+    """The multiplier with its interval, then the same in wall-clock terms."""
     if ce is None:
         return ""
     if ce["budget"] is None:
         return f"beyond ({ce['beyond']})"
     ci = "" if ce["ci95"] is None else f" [{ce['ci95'][0]:.2f}, {ce['ci95'][1]:.2f}]"
-    return f"{ce['budget']:.2f}{ci}"
+    if ce["time"] is None:
+        return f"{ce['budget']:.2f}{ci}"
+    tci = "" if ce["time_ci95"] is None else f" [{ce['time_ci95'][0]:.2f}, {ce['time_ci95'][1]:.2f}]"
+    return f"{ce['budget']:.2f}{ci}; time {ce['time']:.2f}{tci}"
+
+
+def seeds_text(points: dict[str, dict]) -> str:
+    seeds = sorted({s for p in points.values() for e in p["designs"].values() for s in e["val_loss"]}, key=int)
+    return "seed " + seeds[0] if len(seeds) == 1 else "seeds " + ", ".join(seeds)
 
 
 def gap_table(points: dict[str, dict], column: str) -> list[str]:
@@ -91,7 +105,8 @@ def gap_table(points: dict[str, dict], column: str) -> list[str]:
              "|---" * (2 + len(names)) + "|"]
     for where, p in points.items():
         base = p["designs"][p["baseline"]]
-        lines.append(f"| {where} | {base['mean']:.4f} ± {base['sd']:.4f} | "
+        sd = "" if base["sd"] is None else f" ± {base['sd']:.4f}"
+        lines.append(f"| {where} | {base['mean']:.4f}{sd} | "
                      + " | ".join(fmt_gap(p["designs"][n]["gap"]) for n in names) + " |")
     with_budgets = {w: p for w, p in points.items() if p["budgets"]}
     if with_budgets:
@@ -113,7 +128,7 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     xs = list(range(len(points)))
     width = 0.5 / max(1, len(names))
     for k, name in enumerate(names):
-        gaps = [p["designs"][name]["gap"] for p in points.values()]
+        gaps = [p["designs"][name]["gap"] or {"diff_mean": float("nan"), "ci95": None} for p in points.values()]
         mids = [g["diff_mean"] for g in gaps]
         err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
                [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
@@ -125,7 +140,7 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     ax.set_ylabel(f"final loss - {first['baseline']} (nats/token)")
     ax.legend(fontsize=8)
     base = [p["designs"][p["baseline"]] for p in points.values()]
-    bx.errorbar(xs, [b["mean"] for b in base], yerr=[b["sd"] for b in base], marker="o", capsize=3, color="C0")
+    bx.errorbar(xs, [b["mean"] for b in base], yerr=[b["sd"] or 0 for b in base], marker="o", capsize=3, color="C0")
     bx.set_xticks(xs, list(points))
     bx.set_xlabel(xlabel)
     bx.set_ylabel(f"{first['baseline']} final loss (mean ± sd over seeds)")
@@ -144,22 +159,25 @@ def main() -> None:
     out = {}
     if args.compute:
         out["compute"] = point_numbers(args.compute)
-        print("### Compute (the study's size, six seeds)\n")
+        print(f"### Compute (the study's size, {seeds_text({'': out['compute']})})\n")
         print("\n".join(gap_table({"the study's size": out["compute"]}, "point")) + "\n")
     folders = [folder for _, folder in sweep_points(args.depth)] if args.depth else []
     folders += [f for f in (args.depth16, args.compute) if f]
     depth = [point_numbers(f, DEPTH_SEEDS) for f in folders if (f / "compare.json").is_file()]
+    layers = [p["model"]["n_layers"] for p in depth]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"the depth folders hold n_layers {sorted(layers)}: give each depth once")
     if depth:
         depth = {f"{p['model']['n_layers']} layers": p for p in sorted(depth, key=lambda p: p["model"]["n_layers"])}
         out["depth"] = depth
-        print("### Depth (seeds 0-2)\n")
+        print(f"### Depth ({seeds_text(depth)})\n")
         print("\n".join(gap_table(depth, "depth")) + "\n")
         draw_gaps(depth, "depth (layers; 8 blocks each)", args.out / "depth.png")
     if args.width:
         width = {f"dim {values['model.dim']}": point_numbers(folder) for values, folder in sweep_points(args.width)
                  if (folder / "compare.json").is_file()}
         out["width"] = width
-        print("### Width (seeds 0-2)\n")
+        print(f"### Width ({seeds_text(width)})\n")
         print("\n".join(gap_table(width, "width")) + "\n")
         print("| width | block - mhar | block's width probe (4 slices), per seed |", "|---|---|---|", sep="\n")
         for where, p in width.items():

@@ -174,7 +174,7 @@ def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path, 
         steps = sorted(base)
         changes = [base[b] - base[a] for a, b in zip(steps, steps[1:])]
         noise = statistics.stdev(changes) if len(changes) > 1 else 0.0
-        bx.axhspan(-noise, noise, color="C0", alpha=0.12, label=f"{control}'s step-to-step noise (sd {noise:.3g})")
+        bx.axhspan(-noise, noise, color="0.5", alpha=0.15, label=f"{control}'s step-to-step noise (sd {noise:.3g})")
         for k, (name, losses) in enumerate(curves.items()):
             if name != control:
                 common = [s for s in steps if s in losses]

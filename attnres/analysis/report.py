@@ -50,8 +50,9 @@ def rerun_command(index: dict, seeds=(0, 1, 2)) -> str:
 
 
 def _signed(x: float) -> str:
-    """A difference in nats, to 4 decimals; one too small for them (a conversion that has barely
-    left its source) in scientific notation rather than as a bare +0.0000."""
+    """A difference in nats, to 4 decimals; one that would print as +0.0000 (a conversion that
+    has barely left its source) in scientific notation instead, so that the two ends of one
+    interval may be written differently."""
     return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.2e}"
 
 
@@ -318,7 +319,8 @@ def _budget_section(c: Comparison, plt) -> list[str]:
 
 def _shock_section(c: Comparison, plt) -> list[str]:
     """For a comparison --from a folder: each conversion's first steps against the control's
-    (``analysis/conversion.py``) and the curves of the first seed (``first_steps.png``)."""
+    (``analysis/conversion.py``) and the curves of the first seed, with each conversion's
+    difference to the control (``first_steps.png``)."""
     shocks = {name: e["shock"] for name, e in c.results["designs"].items() if e.get("shock")}
     if not shocks:
         return []
@@ -333,7 +335,8 @@ def _shock_section(c: Comparison, plt) -> list[str]:
              f"({c.baseline}) on the same batches: the difference at the first step (before any update; 0 when the "
              "conversion is exact), the largest difference over the steps, and the control's own step-to-step noise "
              "(the standard deviation of its loss changes); each the largest over the seeds. A largest difference "
-             "within the noise is no shock.", "",
+             "within the noise is no shock. The figure's second panel draws each conversion's loss minus the control's, "
+             "step by step, against the control's noise (shaded).", "",
              "| design | step-0 difference | largest difference | control's noise |", "|---|---|---|---|"]
     for name, s in shocks.items():
         noise = "" if s["control_noise"] is None else f"{s['control_noise']:.4f}"
