@@ -19,8 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-from attnres.analysis.budget import budget_run_labels, compute_equivalent
-from attnres.analysis.comparison import load_comparison
+from attnres.analysis.budget import compute_equivalent
+from attnres.analysis.comparison import budget_curves, load_comparison
 from attnres.analysis.figures import pyplot, save_figure
 from attnres.analysis.stats import mean_and_sd, paired_difference
 from attnres.files import read_json
@@ -36,12 +36,7 @@ def point_numbers(folder: Path, seeds=None) -> dict:
     keep = (lambda s: s in seeds) if seeds else (lambda s: True)
     losses = {name: {s: v for s, v in e["val_loss"].items() if keep(s)} for name, e in c.results["designs"].items()}
     base = losses[c.baseline]
-    curves = None
-    if c.results.get("budgets"):
-        labels = budget_run_labels(c.index)
-        runs = c.results["budget_runs"]
-        curves = {s: [loss, *(runs[label]["val_loss"].get(s) for label in labels)] for s, loss in base.items()}
-        curves = {s: curve for s, curve in curves.items() if None not in curve}
+    curves = budget_curves(base, c.results["budget_runs"]) if c.results.get("budgets") else None
     designs = {}
     for name, by_seed in losses.items():
         if not by_seed:

@@ -224,6 +224,14 @@ def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
     return out
 
 
+def budget_curves(base: dict[str, float], budget_runs: dict[str, dict]) -> dict[str, list[float]]:
+    """Seed -> the baseline's final losses at each budget, 1 first: ``base`` (seed -> its loss at
+    budget 1) and ``budget_runs`` (``results.json``'s, in budget order: label -> ``{"val_loss":
+    {seed: loss}}``); a seed missing a budget run is left out."""
+    curves = {seed: [loss, *(run["val_loss"].get(seed) for run in budget_runs.values())] for seed, loss in base.items()}
+    return {seed: curve for seed, curve in curves.items() if None not in curve}
+
+
 def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dict[str, list[dict]]
                    ) -> tuple[dict, dict[str, dict]]:
     """``results.json``'s budget numbers: ``{"budgets", "budget_runs"}`` (each of the baseline's
@@ -234,10 +242,7 @@ def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dic
     labels = budget_run_labels(index)
     out = {"budgets": budgets, "budget_runs": {label: {"budget": b, "val_loss": final_losses(budget_runs.get(label, []))}
                                                for label, b in labels.items()}}
-    base = final_losses(designs.get(baseline, []))
-    curves = {seed: [loss, *(out["budget_runs"][label]["val_loss"].get(seed) for label in labels)]
-              for seed, loss in base.items()}
-    curves = {seed: curve for seed, curve in curves.items() if None not in curve}
+    curves = budget_curves(final_losses(designs.get(baseline, [])), out["budget_runs"])
     times = index.get("step_times") or {}
     entries = {}
     for name, runs in designs.items():

@@ -28,6 +28,14 @@ def first_losses(run: dict, steps: int) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run["metrics"] if r["split"] == "train" and r["step"] <= steps}
 
 
+def step_noise(losses: dict[int, float]) -> float | None:
+    """The standard deviation of a run's step-to-step loss changes over ``losses`` (step ->
+    loss, consecutive steps), or None with fewer than three steps."""
+    steps = sorted(losses)
+    changes = [losses[b] - losses[a] for a, b in zip(steps, steps[1:])]
+    return statistics.stdev(changes) if len(changes) > 1 else None
+
+
 def shock(control: dict[int, float], converted: dict[int, float]) -> dict:
     """One seed's shock figures (the module's docstring) from the two runs' losses by step; the
     steps both logged, which must run from 1 without a gap."""
@@ -35,10 +43,9 @@ def shock(control: dict[int, float], converted: dict[int, float]) -> dict:
     if not steps or steps != list(range(1, len(steps) + 1)):
         raise ValueError(f"the first steps' losses are incomplete (steps {steps[:5]}...): the runs must log every "
                          f"one of them (run.log_first)")
-    changes = [control[t + 1] - control[t] for t in steps[:-1]]
     return {"steps": len(steps), "step0_diff": abs(converted[1] - control[1]),
             "max_abs_diff": max(abs(converted[t] - control[t]) for t in steps),
-            "control_noise": statistics.stdev(changes) if len(changes) > 1 else None}
+            "control_noise": step_noise({t: control[t] for t in steps})}
 
 
 def shock_results(designs: dict[str, list[dict]], baseline: str, steps: int) -> dict[str, dict]:

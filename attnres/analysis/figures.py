@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 
 from .comparison import val_curve
+from .conversion import step_noise
 
 
 def pyplot():
@@ -172,8 +173,7 @@ def plot_first_steps(plt, curves: dict[str, dict[int, float]], seed: int, path, 
     if with_diff:
         bx, base = axes[0][1], curves[control]
         steps = sorted(base)
-        changes = [base[b] - base[a] for a, b in zip(steps, steps[1:])]
-        noise = statistics.stdev(changes) if len(changes) > 1 else 0.0
+        noise = step_noise(base) or 0.0
         bx.axhspan(-noise, noise, color="0.5", alpha=0.15, label=f"{control}'s step-to-step noise (sd {noise:.3g})")
         for k, (name, losses) in enumerate(curves.items()):
             if name != control:
