@@ -9,8 +9,10 @@ depth sweep (with PreNorm's budgets 1, 2 and 3), 16 layers from its own comparis
 from the compute ladder's seeds 0-2 (the same config, so the same runs). Every difference is
 paired over the seeds both runs hold, 95% Student-t (``analysis.stats.paired_difference``); a
 multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point. Markdown goes
-to stdout, the figures (``depth.png``, ``width.png``) and ``ladders.json`` to ``--out``. Any of
-the folders may be left out; its table is then left out too.
+to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
+design's gap to the baseline per point, and ``width_routing.png``, single-head Block minus MHAR
+and Block's width probe per width. Any of the folders may be left out; its tables and figures
+are then left out too.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def point_numbers(folder: Path, seeds=None) -> dict:
             entry["compute_equivalent"] = compute_equivalent(c.results["budgets"], curves,
                                                              {s: v for s, v in by_seed.items() if s in curves},
                                                              times.get("ratio"))
-        probes = [r["analysis"]["width_probe"] for r in c.designs[name]
-                  if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("width_probe")]
+        probes = {str(r["seed"]): r["analysis"]["width_probe"]["probe"] for r in c.designs[name]
+                  if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("width_probe")}
         if probes:
-            entry["width_probe"] = [p["probe"] for p in probes]
+            entry["width_probe"] = probes
         designs[name] = entry
     return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
             "model": c.index["config"]["model"]}
@@ -142,6 +144,40 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     save_figure(plt, fig, path)
 
 
+def single_and_multi_head(point: dict) -> tuple[dict, dict]:
+    """A width point's single-head Block and its MHAR, by their labels' names."""
+    return tuple(next(e for n, e in point["designs"].items() if n.startswith(k)) for k in ("block", "mhar"))
+
+
+def draw_width_routing(width: dict[str, dict], path: Path) -> None:
+    """The width hypothesis's two measures against width: single-head Block minus MHAR, paired
+    over seeds with its 95% interval, and Block's width-disagreement probe, each seed a point."""
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = list(range(len(width)))
+    gaps, probes = [], []
+    for p in width.values():
+        block, mhar = single_and_multi_head(p)
+        gaps.append(paired_difference(mhar["val_loss"], block["val_loss"]))
+        probes.append(list(block.get("width_probe", {}).values()))
+    mids = [g["diff_mean"] for g in gaps]
+    err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
+           [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
+    ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, color="C1")
+    ax.axhline(0, color="C2", lw=1, label="MHAR (heads = n_kv_heads)")
+    ax.set_ylabel("single-head Block - MHAR, final loss (nats/token)")
+    ax.legend(fontsize=8)
+    for x, values in zip(xs, probes):
+        bx.plot([x] * len(values), values, "o", ms=4, color="C1", alpha=0.6)
+    bx.plot(xs, [sum(v) / len(v) if v else float("nan") for v in probes], "-", color="C1", label="mean over seeds")
+    bx.set_ylabel("Block's width-disagreement probe (4 slices)")
+    bx.legend(fontsize=8)
+    for axis in (ax, bx):
+        axis.set_xticks(xs, list(width))
+        axis.set_xlabel("width (model.dim; head width 24)")
+    save_figure(plt, fig, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute", type=Path)
@@ -174,13 +210,23 @@ def main() -> None:
         out["width"] = width
         print(f"### Width ({seeds_text(width)})\n")
         print("\n".join(gap_table(width, "width")) + "\n")
-        print("| width | block - mhar | block's width probe (4 slices), per seed |", "|---|---|---|", sep="\n")
+        print("| width | block - mhar | block's width probe (4 slices), per seed | mean ± sd |",
+              "|---|---|---|---|", sep="\n")
         for where, p in width.items():
-            block, mhar = (next(p["designs"][n] for n in p["designs"] if n.startswith(k)) for k in ("block", "mhar"))
-            probes = ", ".join(f"{v:+.4f}" for v in block.get("width_probe", []))
-            print(f"| {where} | {fmt_gap(paired_difference(mhar['val_loss'], block['val_loss']))} | {probes} |")
+            block, mhar = single_and_multi_head(p)
+            probes = block.get("width_probe", {})
+            mean, sd = mean_and_sd(list(probes.values())) if probes else (float("nan"), None)
+            print(f"| {where} | {fmt_gap(paired_difference(mhar['val_loss'], block['val_loss']))} | "
+                  + ", ".join(f"{v:+.4f}" for _, v in sorted(probes.items())) + f" | {mean:.4f}"
+                  + ("" if sd is None else f" ± {sd:.4f}") + " |")
+        narrow, wide = list(width)[0], list(width)[-1]
+        if narrow != wide:  # the same seed saw the same batches at every width
+            rise = paired_difference(*(single_and_multi_head(width[w])[0].get("width_probe", {}) for w in (narrow, wide)))
+            ci = "" if rise["ci95"] is None else f" [{rise['ci95'][0]:+.4f}, {rise['ci95'][1]:+.4f}]"
+            print(f"\nBlock's probe at {wide} minus at {narrow}, paired by seed: {rise['diff_mean']:+.4f}{ci}")
         print()
         draw_gaps(width, "width (model.dim; head width 24)", args.out / "width.png")
+        draw_width_routing(width, args.out / "width_routing.png")
     (args.out / "ladders.json").write_text(json.dumps(out, indent=2))
 
 
