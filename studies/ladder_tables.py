@@ -12,7 +12,7 @@ multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point
 to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
 design's gap to the baseline per point, and ``width_routing.png``, single-head Block minus MHAR
 and Block's width probe per width. Any of the folders may be left out; its tables and figures
-are then left out too.
+are then left out too, and so is its part of ``ladders.json``, which is written anew each time.
 """
 
 from __future__ import annotations
@@ -146,7 +146,10 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
 
 def single_and_multi_head(point: dict) -> tuple[dict, dict]:
     """A width point's single-head Block and its MHAR, by their labels' names."""
-    return tuple(next(e for n, e in point["designs"].items() if n.startswith(k)) for k in ("block", "mhar"))
+    found = {k: [e for n, e in point["designs"].items() if n.startswith(k)] for k in ("block", "mhar")}
+    if any(len(v) != 1 for v in found.values()):
+        raise ValueError(f"a width point compares one block and one mhar design; it holds {sorted(point['designs'])}")
+    return found["block"][0], found["mhar"][0]
 
 
 def draw_width_routing(width: dict[str, dict], path: Path) -> None:
@@ -159,17 +162,19 @@ def draw_width_routing(width: dict[str, dict], path: Path) -> None:
     for p in width.values():
         block, mhar = single_and_multi_head(p)
         gaps.append(paired_difference(mhar["val_loss"], block["val_loss"]))
-        probes.append(list(block.get("width_probe", {}).values()))
+        probes.append(block.get("width_probe", {}))
     mids = [g["diff_mean"] for g in gaps]
     err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
            [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
-    ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, color="C1")
+    ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, color="C1", label="Block (1 routing head) - MHAR")
     ax.axhline(0, color="C2", lw=1, label="MHAR (heads = n_kv_heads)")
     ax.set_ylabel("single-head Block - MHAR, final loss (nats/token)")
     ax.legend(fontsize=8)
-    for x, values in zip(xs, probes):
-        bx.plot([x] * len(values), values, "o", ms=4, color="C1", alpha=0.6)
-    bx.plot(xs, [sum(v) / len(v) if v else float("nan") for v in probes], "-", color="C1", label="mean over seeds")
+    for k, seed in enumerate(sorted({s for p in probes for s in p}, key=int)):  # a thin line a seed: does each rise?
+        bx.plot(xs, [p.get(seed, float("nan")) for p in probes], "o-", ms=4, lw=0.8, color="C1", alpha=0.5,
+                label=None if k else "each seed")
+    bx.plot(xs, [sum(p.values()) / len(p) if p else float("nan") for p in probes], "-", lw=2, color="C1",
+            label="mean over seeds")
     bx.set_ylabel("Block's width-disagreement probe (4 slices)")
     bx.legend(fontsize=8)
     for axis in (ax, bx):
@@ -217,11 +222,12 @@ def main() -> None:
             probes = block.get("width_probe", {})
             mean, sd = mean_and_sd(list(probes.values())) if probes else (float("nan"), None)
             print(f"| {where} | {fmt_gap(paired_difference(mhar['val_loss'], block['val_loss']))} | "
-                  + ", ".join(f"{v:+.4f}" for _, v in sorted(probes.items())) + f" | {mean:.4f}"
+                  + ", ".join(f"{probes[s]:+.4f}" for s in sorted(probes, key=int)) + f" | {mean:.4f}"
                   + ("" if sd is None else f" ± {sd:.4f}") + " |")
         narrow, wide = list(width)[0], list(width)[-1]
-        if narrow != wide:  # the same seed saw the same batches at every width
-            rise = paired_difference(*(single_and_multi_head(width[w])[0].get("width_probe", {}) for w in (narrow, wide)))
+        ends = [single_and_multi_head(width[w])[0].get("width_probe", {}) for w in (narrow, wide)]
+        if narrow != wide and set(ends[0]) & set(ends[1]):  # the same seed saw the same batches at every width
+            rise = paired_difference(*ends)
             ci = "" if rise["ci95"] is None else f" [{rise['ci95'][0]:+.4f}, {rise['ci95'][1]:+.4f}]"
             print(f"\nBlock's probe at {wide} minus at {narrow}, paired by seed: {rise['diff_mean']:+.4f}{ci}")
         print()
