@@ -154,7 +154,7 @@ def single_and_multi_head(point: dict) -> tuple[dict, dict]:
 
 def draw_width_routing(width: dict[str, dict], path: Path) -> None:
     """The width hypothesis's two measures against width: single-head Block minus MHAR, paired
-    over seeds with its 95% interval, and Block's width-disagreement probe, each seed a point."""
+    over seeds with its 95% interval, and Block's width-disagreement probe, a line a seed and their mean."""
     plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     xs = list(range(len(width)))
