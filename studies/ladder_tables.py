@@ -115,6 +115,14 @@ def gap_table(points: dict[str, dict], column: str) -> list[str]:
     return lines
 
 
+def error_bars(gaps: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """Paired differences (``paired_difference``) as matplotlib's means and ``yerr``: each
+    interval's distance below and above its mean, 0 where a difference has no interval."""
+    mids = [g["diff_mean"] for g in gaps]
+    return mids, [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
+                  [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
+
+
 def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     """Each design's gap to the baseline against the ladder's points, with its paired interval;
     beside it the baseline's own final loss."""
@@ -126,9 +134,7 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     width = 0.5 / max(1, len(names))
     for k, name in enumerate(names):
         gaps = [p["designs"][name]["gap"] or {"diff_mean": float("nan"), "ci95": None} for p in points.values()]
-        mids = [g["diff_mean"] for g in gaps]
-        err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
-               [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
+        mids, err = error_bars(gaps)
         ax.errorbar([x + (k - (len(names) - 1) / 2) * width for x in xs], mids, yerr=err, marker="o", ms=4,
                     capsize=3, label=name, color=f"C{k + 1}")
     ax.axhline(0, color="C0", lw=1, label=first["baseline"])
@@ -163,9 +169,7 @@ def draw_width_routing(width: dict[str, dict], path: Path) -> None:
         block, mhar = single_and_multi_head(p)
         gaps.append(paired_difference(mhar["val_loss"], block["val_loss"]))
         probes.append(block.get("width_probe", {}))
-    mids = [g["diff_mean"] for g in gaps]
-    err = [[m - g["ci95"][0] if g["ci95"] else 0 for m, g in zip(mids, gaps)],
-           [g["ci95"][1] - m if g["ci95"] else 0 for m, g in zip(mids, gaps)]]
+    mids, err = error_bars(gaps)
     ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, color="C1", label="Block (1 routing head) - MHAR")
     ax.axhline(0, color="C2", lw=1, label="MHAR (heads = n_kv_heads)")
     ax.set_ylabel("single-head Block - MHAR, final loss (nats/token)")
