@@ -8,8 +8,8 @@ Depth gathers its points from three places (the plan in RESULTS.md): 4 and 32 la
 depth sweep (with PreNorm's budgets 1, 2 and 3), 16 layers from its own comparison, and 8 layers
 from the compute ladder's seeds 0-2 (the same config, so the same runs). Every difference is
 paired over the seeds both runs hold, 95% Student-t (``analysis.stats.paired_difference``); a
-multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point. Markdown goes
-to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
+multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point; a change of
+gap between the shallowest and deepest points is paired by seed too. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
 design's gap to the baseline per point, and ``width_routing.png``, single-head Block minus MHAR
 and Block's width probe per width. Any of the folders may be left out; its tables and figures
 are then left out too, and so is its part of ``ladders.json``, which is written anew each time.
@@ -150,6 +150,13 @@ def draw_gaps(points: dict[str, dict], xlabel: str, path: Path) -> None:
     save_figure(plt, fig, path)
 
 
+def seed_gaps(point: dict, name: str) -> dict[str, float]:
+    """A design's final loss minus the baseline's, per seed both ran: what a ladder's change of
+    gap between two points pairs (each seed reads the same batches at every point)."""
+    base, design = point["designs"][point["baseline"]]["val_loss"], point["designs"][name]["val_loss"]
+    return {s: design[s] - base[s] for s in design if s in base}
+
+
 def single_and_multi_head(point: dict) -> tuple[dict, dict]:
     """A width point's single-head Block and its MHAR, by their labels' names."""
     found = {k: [e for n, e in point["designs"].items() if n.startswith(k)] for k in ("block", "mhar")}
@@ -212,6 +219,14 @@ def main() -> None:
         out["depth"] = depth
         print(f"### Depth ({seeds_text(depth)})\n")
         print("\n".join(gap_table(depth, "depth")) + "\n")
+        shallow, deep = list(depth)[0], list(depth)[-1]
+        if shallow != deep:
+            print(f"Each gap at {deep} minus at {shallow}, paired by seed (negative: the gap widens with depth):\n")
+            for name in depth[deep]["designs"]:
+                if name != depth[deep]["baseline"]:
+                    change = paired_difference(*(seed_gaps(depth[w], name) for w in (shallow, deep)))
+                    print(f"- {name}: {fmt_gap(change)}")
+            print()
         draw_gaps(depth, "depth (layers; 8 blocks each)", args.out / "depth.png")
     if args.width:
         width = {f"dim {values['model.dim']}": point_numbers(folder) for values, folder in sweep_points(args.width)
