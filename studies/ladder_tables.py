@@ -9,7 +9,9 @@ depth sweep (with PreNorm's budgets 1, 2 and 3), 16 layers from its own comparis
 from the compute ladder's seeds 0-2 (the same config, so the same runs). Every difference is
 paired over the seeds both runs hold, 95% Student-t (``analysis.stats.paired_difference``); a
 multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point; a change of
-gap between the shallowest and deepest points is paired by seed too. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
+gap between the shallowest and deepest points is paired by seed too, and each design's
+hidden-state RMS at the output's read (its last ``read_rms``) is given per depth: PreNorm's
+dilution. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
 design's gap to the baseline per point, and ``width_routing.png``, single-head Block minus MHAR
 and Block's width probe per width. Any of the folders may be left out; its tables and figures
 are then left out too, and so is its part of ``ladders.json``, which is written anew each time.
@@ -57,6 +59,10 @@ def point_numbers(folder: Path, seeds=None) -> dict:
                   if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("width_probe")}
         if probes:
             entry["width_probe"] = probes
+        output_rms = {str(r["seed"]): r["analysis"]["read_rms"][-1] for r in c.designs[name]
+                      if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("read_rms")}
+        if output_rms:  # the hidden state's RMS where the output reads it: PreNorm's running sum has grown over every sublayer
+            entry["output_rms"] = output_rms
         designs[name] = entry
     return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
             "model": c.index["config"]["model"]}
@@ -87,6 +93,13 @@ def fmt_multiplier(ce: dict | None) -> str:
         return f"{ce['budget']:.2f}{ci}"
     tci = "" if ce["time_ci95"] is None else f" [{ce['time_ci95'][0]:.2f}, {ce['time_ci95'][1]:.2f}]"
     return f"{ce['budget']:.2f}{ci}; time {ce['time']:.2f}{tci}"
+
+
+def fmt_mean(by_seed: dict[str, float] | None) -> str:
+    if not by_seed:
+        return ""
+    mean, sd = mean_and_sd(list(by_seed.values()))
+    return f"{mean:.2f}" + ("" if sd is None else f" ± {sd:.2f}")
 
 
 def seeds_text(points: dict[str, dict]) -> str:
@@ -227,6 +240,12 @@ def main() -> None:
                     change = paired_difference(*(seed_gaps(depth[w], name) for w in (shallow, deep)))
                     print(f"- {name}: {fmt_gap(change)}")
             print()
+        names = list(depth[deep]["designs"])
+        print("| depth | " + " | ".join(f"{n} output read's RMS" for n in names) + " |", "|---" * (1 + len(names)) + "|",
+              sep="\n")
+        for where, p in depth.items():
+            print(f"| {where} | " + " | ".join(fmt_mean(p["designs"][n].get("output_rms")) for n in names) + " |")
+        print()
         draw_gaps(depth, "depth (layers; 8 blocks each)", args.out / "depth.png")
     if args.width:
         width = {f"dim {values['model.dim']}": point_numbers(folder) for values, folder in sweep_points(args.width)
