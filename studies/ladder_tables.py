@@ -238,7 +238,8 @@ def main() -> None:
             for name in depth[deep]["designs"]:
                 if name != depth[deep]["baseline"]:
                     change = paired_difference(*(seed_gaps(depth[w], name) for w in (shallow, deep)))
-                    print(f"- {name}: {fmt_gap(change)}")
+                    verdict = {"better": "widens", "worse": "narrows"}.get(change["verdict"], change["verdict"])
+                    print(f"- {name}: {fmt_gap({**change, 'verdict': verdict})}")
             print()
         names = list(depth[deep]["designs"])
         print("| depth | " + " | ".join(f"{n} output read's RMS" for n in names) + " |", "|---" * (1 + len(names)) + "|",
