@@ -11,9 +11,9 @@ paired over the seeds both runs hold, 95% Student-t (``analysis.stats.paired_dif
 multiplier is ``analysis.budget.compute_equivalent`` over the seeds of its point; a change of
 gap between the shallowest and deepest points is paired by seed too, and each design's
 hidden-state RMS at the output's read (its last ``read_rms``) is given per depth: PreNorm's
-dilution. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png`` and ``width.png``, each
-design's gap to the baseline per point, and ``width_routing.png``, single-head Block minus MHAR
-and Block's width probe per width. Any of the folders may be left out; its tables and figures
+dilution. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png``
+and ``width.png``, each design's gap to the baseline per point, and ``width_routing.png``,
+single-head Block minus MHAR and Block's width probe per width. Any of the folders may be left out; its tables and figures
 are then left out too, and so is its part of ``ladders.json``, which is written anew each time.
 """
 
@@ -61,7 +61,7 @@ def point_numbers(folder: Path, seeds=None) -> dict:
             entry["width_probe"] = probes
         output_rms = {str(r["seed"]): r["analysis"]["read_rms"][-1] for r in c.designs[name]
                       if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("read_rms")}
-        if output_rms:  # the hidden state's RMS where the output reads it: PreNorm's running sum has grown over every sublayer
+        if output_rms:  # where the output reads the hidden state, PreNorm's sum has grown over every sublayer
             entry["output_rms"] = output_rms
         designs[name] = entry
     return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
