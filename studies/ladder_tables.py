@@ -13,8 +13,9 @@ gap between the shallowest and deepest points is paired by seed too, and each de
 hidden-state RMS at the output's read (its last ``read_rms``) is given per depth: PreNorm's
 dilution. Markdown goes to stdout; the figures and ``ladders.json`` to ``--out``: ``depth.png``
 and ``width.png``, each design's gap to the baseline per point, and ``width_routing.png``,
-single-head Block minus MHAR and Block's width probe per width. Any of the folders may be left out; its tables and figures
-are then left out too, and so is its part of ``ladders.json``, which is written anew each time.
+single-head Block minus MHAR and Block's width probe per width. Any of the folders may be left
+out; its tables and figures are then left out too, and so is its part of ``ladders.json``, which
+is written anew each time.
 """
 
 from __future__ import annotations
@@ -242,8 +243,8 @@ def main() -> None:
                     print(f"- {name}: {fmt_gap({**change, 'verdict': verdict})}")
             print()
         names = list(depth[deep]["designs"])
-        print("| depth | " + " | ".join(f"{n} output read's RMS" for n in names) + " |", "|---" * (1 + len(names)) + "|",
-              sep="\n")
+        print("| depth | " + " | ".join(f"{n} output read's RMS" for n in names) + " |",
+              "|---" * (1 + len(names)) + "|", sep="\n")
         for where, p in depth.items():
             print(f"| {where} | " + " | ".join(fmt_mean(p["designs"][n].get("output_rms")) for n in names) + " |")
         print()
