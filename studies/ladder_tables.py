@@ -56,14 +56,14 @@ def point_numbers(folder: Path, seeds=None) -> dict:
             entry["compute_equivalent"] = compute_equivalent(c.results["budgets"], curves,
                                                              {s: v for s, v in by_seed.items() if s in curves},
                                                              times.get("ratio"))
-        probes = {str(r["seed"]): r["analysis"]["width_probe"]["probe"] for r in c.designs[name]
-                  if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("width_probe")}
-        if probes:
-            entry["width_probe"] = probes
-        output_rms = {str(r["seed"]): r["analysis"]["read_rms"][-1] for r in c.designs[name]
-                      if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get("read_rms")}
-        if output_rms:  # where the output reads the hidden state, PreNorm's sum has grown over every sublayer
-            entry["output_rms"] = output_rms
+        # the width probe of single-head runs; the hidden state's RMS where the output reads it
+        # (the last ``read_rms``), where PreNorm's sum has grown over every sublayer
+        for key, field, pick in (("width_probe", "width_probe", lambda v: v["probe"]),
+                                 ("output_rms", "read_rms", lambda v: v[-1])):
+            by_seed = {str(r["seed"]): pick(r["analysis"][field]) for r in c.designs[name]
+                       if keep(str(r["seed"])) and r["analysis"] and r["analysis"].get(field)}
+            if by_seed:
+                entry[key] = by_seed
         designs[name] = entry
     return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
             "model": c.index["config"]["model"]}
@@ -74,13 +74,18 @@ def sweep_points(folder: Path) -> list[tuple[dict, Path]]:
     return [(p["values"], folder / p["dir"]) for p in index["points"]]
 
 
+def fmt_interval(diff: dict) -> str:
+    """A paired difference (``paired_difference``) as its mean and 95% interval."""
+    if diff["ci95"] is None:
+        return f"{diff['diff_mean']:+.4f} (one seed)"
+    low, high = diff["ci95"]
+    return f"{diff['diff_mean']:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
 def fmt_gap(gap: dict | None) -> str:
     if gap is None:
         return "not compared: other tokens"
-    if gap["ci95"] is None:
-        return f"{gap['diff_mean']:+.4f} (one seed)"
-    low, high = gap["ci95"]
-    return f"{gap['diff_mean']:+.4f} [{low:+.4f}, {high:+.4f}] {gap['verdict']}"
+    return fmt_interval(gap) + ("" if gap["ci95"] is None else f" {gap['verdict']}")
 
 
 def fmt_multiplier(ce: dict | None) -> str:
@@ -96,11 +101,12 @@ def fmt_multiplier(ce: dict | None) -> str:
     return f"{ce['budget']:.2f}{ci}; time {ce['time']:.2f}{tci}"
 
 
-def fmt_mean(by_seed: dict[str, float] | None) -> str:
+def fmt_mean(by_seed: dict[str, float] | None, digits: int = 2) -> str:
+    """Mean ± sd over seeds."""
     if not by_seed:
         return ""
     mean, sd = mean_and_sd(list(by_seed.values()))
-    return f"{mean:.2f}" + ("" if sd is None else f" ± {sd:.2f}")
+    return f"{mean:.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
 
 
 def seeds_text(points: dict[str, dict]) -> str:
@@ -260,16 +266,13 @@ def main() -> None:
         for where, p in width.items():
             block, mhar = single_and_multi_head(p)
             probes = block.get("width_probe", {})
-            mean, sd = mean_and_sd(list(probes.values())) if probes else (float("nan"), None)
             print(f"| {where} | {fmt_gap(paired_difference(mhar['val_loss'], block['val_loss']))} | "
-                  + ", ".join(f"{probes[s]:+.4f}" for s in sorted(probes, key=int)) + f" | {mean:.4f}"
-                  + ("" if sd is None else f" ± {sd:.4f}") + " |")
+                  + ", ".join(f"{probes[s]:+.4f}" for s in sorted(probes, key=int)) + f" | {fmt_mean(probes, 4)} |")
         narrow, wide = list(width)[0], list(width)[-1]
         ends = [single_and_multi_head(width[w])[0].get("width_probe", {}) for w in (narrow, wide)]
         if narrow != wide and set(ends[0]) & set(ends[1]):  # the same seed saw the same batches at every width
-            rise = paired_difference(*ends)
-            ci = "" if rise["ci95"] is None else f" [{rise['ci95'][0]:+.4f}, {rise['ci95'][1]:+.4f}]"
-            print(f"\nBlock's probe at {wide} minus at {narrow}, paired by seed: {rise['diff_mean']:+.4f}{ci}")
+            rise = fmt_interval(paired_difference(*ends))
+            print(f"\nBlock's probe at {wide} minus at {narrow}, paired by seed: {rise}")
         print()
         draw_gaps(width, "width (model.dim; head width 24)", args.out / "width.png")
         draw_width_routing(width, args.out / "width_routing.png")
