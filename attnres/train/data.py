@@ -192,44 +192,6 @@ def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val:
     return train[:max_train], val[:max_val]
 
 
-def token_file_corpus(folder: Path, vocab_size: int):
-    """nanoGPT-style ``train.bin`` and ``val.bin``: uint16 token ids, memory-mapped."""
-    out = []
-    for name in ("train.bin", "val.bin"):
-        path = folder / name
-        if not path.exists():
-            raise ValueError(f"token folder {folder} lacks {name}")
-        if not path.is_file():
-            raise ValueError(f"{path} is {'a folder' if path.is_dir() else kind_of(path)}, not a file of uint16 tokens")
-        size = path.stat().st_size
-        if size == 0:
-            raise ValueError(f"{path} is empty: a token file holds uint16 token ids, 2 bytes each")
-        if size % 2:
-            raise ValueError(f"{path} holds {size} bytes, an odd number: a token file holds uint16 token ids, 2 bytes "
-                             f"each; was it cut short?")
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        if len(tokens) and int(tokens.max()) >= vocab_size:
-            raise ValueError(
-                f"{path} holds token id {int(tokens.max())}, outside the model's vocabulary [0, {vocab_size})"
-            )
-        out.append(tokens)
-    return out[0], out[1]
-
-
-def hf_text(spec: str, val_fraction: float) -> tuple[bytes, bytes]:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"data.source={spec!r} needs the 'datasets' package: pip install datasets") from None
-    name, _, config = spec[len("hf:"):].partition(":")
-    ds = datasets.load_dataset(name, config or None, split="train")
-    column = "text" if "text" in ds.column_names else ds.column_names[0]
-    texts = ds[column]
-    cut = max(1, int(len(texts) * (1 - val_fraction)))
-    join = lambda rows: "\n".join(rows).encode()  # noqa: E731
-    return join(texts[:cut]), join(texts[cut:])
-
-
 # -- tokenizers ------------------------------------------------------------------------------
 
 def train_bpe(train: np.ndarray, vocab_size: int, key: str, directory: Path | None = None):
@@ -277,19 +239,17 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
         train, val = stdlib_corpus(cfg.val_fraction, utf8=utf8)
         desc = f"Python {platform.python_version()} standard library sources, split by file"
     elif src.startswith("hf:"):
-        train_text, val_text = hf_text(src, cfg.val_fraction)
-        train, val = np.frombuffer(train_text, np.uint8), np.frombuffer(val_text, np.uint8)
-        desc = f"Hugging Face dataset {src[3:]}"
+        from .hf_shards import hf_corpus
+
+        return hf_corpus(cfg, model_vocab_size, tokenizer=tokenizer, bpe_dir=bpe_dir)
     else:
         path = Path(src).expanduser()
         if not path.exists():
             raise ValueError(f"data path {path} does not exist")
         if path.is_dir() and (path / "train.bin").exists():
-            if cfg.tokenizer != "byte":
-                raise ValueError(f"{path} holds pre-tokenized files; data.tokenizer={cfg.tokenizer!r} must stay 'byte'")
-            train, val = token_file_corpus(path, model_vocab_size)
-            return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], model_vocab_size,
-                          f"token files in {path}")
+            from .hf_shards import shard_folder_corpus
+
+            return shard_folder_corpus(path, cfg, model_vocab_size)
         train, val = text_corpus(path, cfg.val_fraction, None, None, utf8)
         desc = f"text from {path}"
     vocab, tok_path = 256, None
