@@ -1,5 +1,5 @@
 """The ``attnres`` command line: compare, sweep, train, generate, report, convert, export, eval,
-serve: the parser, start-up and ``main``; what each command does is in ``attnres/commands.py``.
+serve, corpus: the parser, start-up and ``main``; what each command does is in ``attnres/commands.py``.
 
 It answers at once where it can: the parser, every help text and the refusal of a bad argument or
 an unknown design or preset name need only ``attnres/names.py``, and PyTorch (seconds to load) is
@@ -21,7 +21,7 @@ import threading
 
 from . import commands
 from .files import pause_at
-from .names import CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS, PRESET_NAMES
+from .names import CONVERT_DEFAULTS, CORPUS_NAMES, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS, PRESET_NAMES
 
 
 def _block_layers(text: str):
@@ -109,7 +109,14 @@ def _add_compare(sub) -> None:
                    help="continue a comparison that was stopped, where it stopped, with its own "
                         "settings (given alone: its finished runs are kept, the others continue "
                         "from their checkpoints)")
+    _add_allow_mixed_data(p, "comparison")
     p.set_defaults(fn=commands.cmd_compare, loads=("attnres.train.compare",))
+
+
+def _add_allow_mixed_data(p, what: str) -> None:
+    p.add_argument("--allow-mixed-data", action="store_true",
+                   help=f"with --resume: continue a {what} whose runs read another corpus (data_sha256) than this "
+                        f"machine reads now (refused without it: their paired differences would hold the data's)")
 
 
 def _add_budgets(p) -> None:
@@ -132,6 +139,7 @@ def _add_sweep(sub) -> None:
     _add_budgets(p)
     p.add_argument("--resume", metavar="SWEEP_DIR",
                    help="continue a sweep that was stopped, with its own settings")
+    _add_allow_mixed_data(p, "sweep")
     p.set_defaults(fn=commands.cmd_sweep, loads=("attnres.train.sweep",))
 
 
@@ -211,13 +219,20 @@ def _add_serve(sub) -> None:
     p.set_defaults(fn=commands.cmd_serve, loads=("attnres.serving.server",))
 
 
+def _add_corpus(sub) -> None:
+    p = sub.add_parser("corpus", help="download (with pip, hashes required) and build a named corpus on this machine")
+    p.add_argument("name", nargs="?", default=CORPUS_NAMES[0], choices=CORPUS_NAMES,
+                   help="the corpus (default: %(default)s, the default data.source)")
+    p.set_defaults(fn=commands.cmd_corpus, loads=("attnres.train.frozen_corpus",))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand. Each sets ``fn``, the function that runs it, and ``loads``,
     the modules it runs on, which ``main`` imports while the command line starts (``starting``)."""
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")
     for add in (_add_compare, _add_sweep, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval,
-                _add_serve):
+                _add_serve, _add_corpus):
         add(sub)
     return parser
 

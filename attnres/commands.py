@@ -1,6 +1,6 @@
 """What each ``attnres`` subcommand does, given its parsed arguments (``cli.build_parser``):
 ``cmd_compare``, ``cmd_sweep``, ``cmd_train``, ``cmd_generate``, ``cmd_report``, ``cmd_convert``,
-``cmd_export``, ``cmd_eval``, ``cmd_serve``. Each imports what it runs on (PyTorch among it)
+``cmd_export``, ``cmd_eval``, ``cmd_serve``, ``cmd_corpus``. Each imports what it runs on (PyTorch among it)
 inside itself: the command line loads them only once a command runs (``cli.main``), so that
 its help and its refusals of bad arguments answer at once.
 """
@@ -42,8 +42,10 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
         raise ValueError(f"--set {model_keys[0]}: the run trains the model of {folder} as that folder holds it; "
                          f"its model.* settings are the folder's (convert or export another folder to change them)")
     cfg = apply_overrides(cfg, given)
+    from .train.data import is_path_source
+
     source = Path(cfg.data.source).expanduser()
-    token_files = (source / "train.bin").is_file()
+    token_files = is_path_source(cfg.data.source) and (source / "train.bin").is_file()
     if init_from is not None:
         tokenizer = cfg.data.tokenizer
         if "data.tokenizer" not in keys:  # token files hold ids already: their bytes are read as they are
@@ -136,9 +138,17 @@ def folder_comparison_settings(args, cfg):
     return cfg, ComparisonFolders(args.init_from), extra
 
 
+def refuse_mixed_data_without_resume(args, what: str) -> None:
+    """``--allow-mixed-data`` lets a resumed comparison mix corpora; a new one reads one corpus."""
+    if args.allow_mixed_data and not args.resume:
+        raise ValueError(f"--allow-mixed-data applies to --resume {what.upper()}_DIR (a {what} continued where its "
+                         f"runs read other data); a new {what} reads one corpus: leave it out")
+
+
 def cmd_compare(args) -> int:
     from .train.compare import resume_comparison, run_comparison
 
+    refuse_mixed_data_without_resume(args, "comparison")
     if args.resume:
         given = given_settings(args.argv[1:])
         if given:
@@ -157,7 +167,7 @@ def cmd_compare(args) -> int:
         if index.get("complete") and downstream:  # trained: only its evaluation may be left
             outcome = ComparisonOutcome(root / "report.md")
         else:
-            outcome = resume_comparison(root, folders=folders)
+            outcome = resume_comparison(root, folders=folders, allow_mixed_data=args.allow_mixed_data)
     else:
         given = given_settings(args.argv[1:], FOLDER_COMPARISON_SETTINGS)
         if given and not args.init_from:
@@ -189,12 +199,13 @@ def cmd_sweep(args) -> int:
     from .train.signals import exit_status
     from .train.sweep import Sweep, parse_over, resume_sweep, run_sweep
 
+    refuse_mixed_data_without_resume(args, "sweep")
     if args.resume:
         given = given_settings(args.argv[1:], SWEEP_SETTINGS)
         if given:
             raise ValueError(f"--resume continues the sweep with the settings it was started with; leave out "
                              f"{' '.join(given)}")
-        root, signal = resume_sweep(Path(args.resume))
+        root, signal = resume_sweep(Path(args.resume), allow_mixed_data=args.allow_mixed_data)
     else:
         fields = parse_over(args.over or [])
         cfg, designs, seeds, overrides = comparison_settings(args)
@@ -391,3 +402,10 @@ def cmd_serve(args) -> int:
     return 0  # not reached: vLLM's server replaces this process
 
 
+
+
+def cmd_corpus(args) -> int:
+    from .train.frozen_corpus import fetch
+
+    print(fetch(args.name))
+    return 0

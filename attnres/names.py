@@ -1,6 +1,6 @@
 """The names the command line offers, in a module that imports nothing: the designs a comparison
-trains (with each one's model options), the training presets, and what each comparison preset
-compares. ``attnres --help``, every subcommand's help and the refusal of an unknown name read them
+trains (with each one's model options), the training presets, what each comparison preset
+compares, and the named corpora. ``attnres --help``, every subcommand's help and the refusal of an unknown name read them
 here, so that they answer before PyTorch loads (seconds); ``train/designs.py`` and
 ``train/config.py``, which act on the names, take them from here too: each list is written once.
 """
@@ -43,3 +43,7 @@ COMPARISON_PRESETS = {
     "study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)},
     "ablations": {"designs": ABLATIONS, "seeds": (0, 1, 2)},
 }
+
+#: the named, versioned corpora (``train/frozen_corpus.py`` defines each), the first the default
+#: ``data.source``; ``attnres corpus NAME`` fetches one
+CORPUS_NAMES = ("sdists-v1",)

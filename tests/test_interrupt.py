@@ -143,6 +143,30 @@ def test_sigterm_stops_the_comparison_and_compare_json_says_where(stopped):
     assert "| prenorm |" not in report  # no numbers from an incomplete pair
 
 
+@SHARED
+def test_a_resumed_comparison_refuses_runs_of_other_data_unless_allowed(stopped, tmp_path):
+    """prenorm's summary says it read other tokens (as under another Python's standard library):
+    --resume is refused before any work, naming the run and both digests; --allow-mixed-data
+    continues, and the report lists which run read which."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(stopped, mixed)
+    summary = json.loads((mixed / "prenorm" / "summary.json").read_text())
+    here = summary["data_sha256"]
+    summary["data_sha256"] = "fedcba9876543210"
+    (mixed / "prenorm" / "summary.json").write_text(json.dumps(summary))
+    before = run_files(mixed)
+    proc = cli_in_process("compare", "--resume", mixed)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"holds runs that read other data than data.source='sdists-v1' reads here (corpus sdists-v1: "
+            in proc.stderr and f"data_sha256 {here}): prenorm read fedcba9876543210." in proc.stderr
+            and "give --allow-mixed-data to mix them" in proc.stderr), proc.stderr
+    assert run_files(mixed) == before
+    proc = cli_in_process("compare", "--resume", mixed, "--allow-mixed-data")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((mixed / "compare.json").read_text())["complete"] is True
+    assert "**The runs read 2 different corpora**" in (mixed / "report.md").read_text()
+
+
 def run_files(root: Path) -> dict:
     return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

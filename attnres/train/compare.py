@@ -213,7 +213,8 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
 def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
                    out_dir: str | Path = "runs", log=print, overrides: dict | None = None,
                    baseline: str | None = None, command: list[str] | None = None, budgets=None,
-                   root: Path | None = None, folders=None, extra: dict | None = None) -> ComparisonOutcome:
+                   root: Path | None = None, folders=None, extra: dict | None = None,
+                   allow_mixed_data: bool = False) -> ComparisonOutcome:
     """``compare``, returning its report and the signal that stopped it. ``compare.json`` is
     written before the first run (``"complete": false`` until every run finished) and after
     each; it holds what ``resume_comparison`` needs to continue: the shared config, the residual
@@ -221,7 +222,8 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
     multiples of the budget the baseline also trains at (the module's docstring); ``root``: the
     comparison's folder (made here; default a new ``out_dir/compare-<timestamp>``); ``folders``:
     the models of a comparison --from a folder (the module's docstring); ``extra``: more of
-    ``compare.json``'s keys (what a comparison --from a folder evaluates after training)."""
+    ``compare.json``'s keys (what a comparison --from a folder evaluates after training);
+    ``allow_mixed_data``: see ``train_designs``."""
     overrides = overrides or {}
     plan = plan_comparison(base, designs, seeds, overrides, baseline, budgets, folders)
     for label, same in plan.repeats.items():
@@ -237,14 +239,15 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
         index.update(init_from=base.init_from, shock_steps=base.run.log_first)
     index.update(extra or {})
     write_index(root, index)
-    return train_designs(root, plan, index, log)
+    return train_designs(root, plan, index, log, allow_mixed_data)
 
 
-def resume_comparison(root: str | Path, log=print, folders=None) -> ComparisonOutcome:
+def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_data: bool = False) -> ComparisonOutcome:
     """Continue the comparison in ``root`` where it stopped, with its own settings: the runs it
     finished are kept, each unfinished one continues from its checkpoint (``train``'s resume;
     one without a checkpoint starts over), and those not started run. ``folders``: the models
-    of a comparison --from a folder (its config's ``init_from``)."""
+    of a comparison --from a folder (its config's ``init_from``). Its runs' corpus must be the
+    one read now, unless ``allow_mixed_data`` (``train_designs``)."""
     root = Path(root)
     path = root / "compare.json"
     index = load_index(root)
@@ -264,7 +267,7 @@ def resume_comparison(root: str | Path, log=print, folders=None) -> ComparisonOu
     if _all_finished(index, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")
-    return train_designs(root, plan, index, log)
+    return train_designs(root, plan, index, log, allow_mixed_data)
 
 
 def write_index(root: Path, index: dict) -> None:
@@ -297,10 +300,43 @@ def _record(index: dict, entry: dict) -> None:
         index["runs"][index["runs"].index(old)] = entry
 
 
-def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome:
+def recorded_data(root: Path, index: dict) -> dict[str, list[str]]:
+    """The corpora the comparison's runs so far read: ``data_sha256`` (their ``summary.json``'s)
+    -> the runs' folders. Runs recorded without a digest are left out."""
+    read: dict[str, list[str]] = {}
+    for entry in index["runs"]:
+        summary = root / entry["dir"] / "summary.json"
+        digest = read_json(summary).get("data_sha256") if summary.is_file() else None
+        if digest:
+            read.setdefault(digest, []).append(entry["dir"])
+    return read
+
+
+def check_same_data(root: Path, index: dict, corpus, source: str, allow: bool, log) -> None:
+    """Refuse (unless ``allow``: then a warning) to continue a comparison whose runs read another
+    corpus than ``corpus`` (``data.source=source``, read now): a paired difference between a run
+    of each would hold the data's difference too. ``data.source=stdlib`` reads the installed
+    interpreter's library, so a comparison resumed under another Python meets this."""
+    here = corpus.digest()
+    other = {digest: runs for digest, runs in recorded_data(root, index).items() if digest != here}
+    if not other:
+        return
+    read = "; ".join(f"{', '.join(runs)} read {digest}" for digest, runs in other.items())
+    text = (f"the comparison in {root} holds runs that read other data than data.source={source!r} reads here "
+            f"({corpus.description}: data_sha256 {here}): {read}. A paired difference between runs of different "
+            f"data holds the data's difference too")
+    if not allow:
+        raise ValueError(f"{text}. Continue it where its data is the same (data.source=stdlib is the installed "
+                         f"Python's: use the Python version its runs used), or give --allow-mixed-data to mix them "
+                         f"(the report then says which run read which)")
+    log(f"warning: {text}; continuing (--allow-mixed-data)")
+
+
+def train_designs(root: Path, plan: Plan, index: dict, log, allow_mixed_data: bool = False) -> ComparisonOutcome:
     """Train, seed by seed, each design that ``index`` does not record as finished, recording
     each run in ``compare.json`` as it ends; then the report. A SIGINT or SIGTERM stops the run
-    in progress (its checkpoint saved) and the comparison: no other run starts."""
+    in progress (its checkpoint saved) and the comparison: no other run starts. The corpus is
+    checked first against the one the runs so far read (``check_same_data``)."""
     start, spent = time.time(), index.get("wall_time_s", 0.0)
     here, seen = machine(pick_device(plan.base.run.device))["id"], index.setdefault("machines", [])
     if seen and here not in seen:
@@ -315,6 +351,7 @@ def train_designs(root: Path, plan: Plan, index: dict, log) -> ComparisonOutcome
             corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
         else:  # the folder's tokens: its tokenizer's (data.tokenizer='model') or the bytes
             corpus = load_corpus(plan.base.data, source.vocab_size, bpe_dir=root, tokenizer=source.tokenizer)
+        check_same_data(root, index, corpus, plan.base.data.source, allow_mixed_data, log)
         if plan.budget_runs and "step_times" not in index:
             log(f"timing each design's step against {plan.baseline}'s ({STEP_TIME_ROUNDS} rounds, part of no run)")
             configs = {label: plan.run_config(label, plan.seeds[0]) for label in plan.designs}

@@ -17,15 +17,18 @@ from dataclasses import dataclass, field
 
 from ..model import ModelConfig
 from ..names import ABLATIONS, PRESET_NAMES  # noqa: F401  (ABLATIONS: read here by its users)
+from .frozen_corpus import DEFAULT_CORPUS
 
 
 @dataclass
 class DataConfig:
     """Where the text comes from and how it becomes tokens.
 
-    ``source``: ``"stdlib"`` (the Python standard library's sources, split by file), a text file
-    or folder of text files, a folder with nanoGPT-style ``train.bin``/``val.bin`` (uint16), or
-    ``"hf:NAME[:CONFIG]"`` for a Hugging Face ``datasets`` source (needs that package).
+    ``source``: a named corpus (``"sdists-v1"``, the default: the same bytes on every machine,
+    ``train/frozen_corpus.py``), ``"stdlib"`` (the installed Python's standard library sources,
+    split by file: another Python reads other bytes), a text file or folder of text files, a
+    folder of token files (``train.bin``/``val.bin``), or ``"hf:NAME[:CONFIG]"``, a Hugging Face
+    dataset streamed into token shards (``train/hf_shards.py``).
     ``tokenizer``: ``"byte"`` (token b is byte b), ``"bpe"`` (trained on the training split
     with the ``tokenizers`` library, ``bpe_vocab_size`` tokens, cached) or ``"model"`` (the
     tokenizer of the folder a run continues, ``attnres train --from``).
@@ -35,7 +38,7 @@ class DataConfig:
     ``SAVED_BEFORE``).
     """
 
-    source: str = "stdlib"
+    source: str = DEFAULT_CORPUS
     tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
     val_fraction: float = 0.05
@@ -152,7 +155,6 @@ def demo() -> TrainConfig:
     """The default of ``attnres compare``: six designs in under 15 minutes on two CPU cores."""
     return TrainConfig(
         model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
-        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
         run=RunConfig(steps=160, batch_size=16, seq_len=128, eval_every=40, eval_batches=12, log_every=10),
     )
@@ -175,7 +177,6 @@ def study() -> TrainConfig:
     paired intervals): about 50 minutes on two CPU cores. Pilot runs: docs/RESULTS.md."""
     return TrainConfig(
         model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
-        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
         run=RunConfig(steps=STUDY_STEPS, batch_size=16, seq_len=128, eval_every=STUDY_STEPS // 4, eval_batches=24,
                       log_every=10),

@@ -1,11 +1,15 @@
 """Corpora as token arrays, and deterministic batches.
 
-The embedded default is the Python standard library's own source files: real text that every
-Python install carries, so nothing is downloaded. The split into train and validation is by
-file (a stable hash of the relative path), so no file contributes to both.
+The default is a named, versioned corpus whose bytes are the same on every machine and every
+Python (``frozen_corpus.py``: ``sdists-v1``, the documentation and source of nine Python
+projects, fetched once by ``attnres corpus``). ``stdlib`` reads the installed interpreter's
+standard library sources instead (another Python reads other bytes: runs and tables made on it
+say which Python's). Either is split into train and validation by file (a stable hash of the
+relative path), so no file contributes to both.
 
-Other sources: any text file or folder (a run folder inside it left out: ``text_files``), nanoGPT-style ``train.bin``/``val.bin`` token files
-(uint16), and ``hf:NAME[:CONFIG]`` through the ``datasets`` package. Tokens are bytes by
+Other sources: any text file or folder (a run folder inside it left out: ``text_files``), folders
+of token files (``train.bin``/``val.bin``), and ``hf:NAME[:CONFIG]``, a Hugging Face dataset
+streamed into token shards (``hf_shards.py``). Tokens are bytes by
 default; ``tokenizer="bpe"`` trains a byte-level BPE on the training split with the
 ``tokenizers`` library and caches it; it reads text, so each file must be UTF-8 unless
 ``decode_errors="replace"`` (``check_utf8``).
@@ -29,6 +33,7 @@ import torch
 
 from ..cache import cache_dir
 from .config import DATA_SEED_STRIDE
+from .frozen_corpus import frozen, is_validation, read_frozen, tokens_sha256  # noqa: F401 (is_validation: read here by its users)
 from .lock import LOCK_FILE
 from .run_dir import RUN_FILES
 
@@ -46,20 +51,17 @@ class Corpus:
     description: str
     tokenizer_path: str | None = None
 
+    def sha256(self) -> str:
+        """A SHA-256 over the train and then the validation tokens (with their dtype and
+        length), 64 hex digits: equal for two runs that read the same data."""
+        return tokens_sha256(self.train, self.val)
+
     def digest(self) -> str:
-        """16 hex digits of a SHA-256 over the train and then the validation tokens (with their
-        dtype and length): equal for two runs that read the same data. The standard library's
-        corpus is the installed interpreter's, so two machines' runs of one command may read
-        different data; ``summary.json`` records this to tell that apart from their arithmetic."""
-        h = hashlib.sha256()
-        for tokens in (self.train, self.val):
-            h.update(f"{tokens.dtype.str}:{len(tokens)};".encode())
-            for start in range(0, len(tokens), _DIGEST_CHUNK):  # in chunks: a memory-mapped file is never copied whole
-                h.update(np.ascontiguousarray(tokens[start:start + _DIGEST_CHUNK]).tobytes())
-        return h.hexdigest()[:16]
-
-
-_DIGEST_CHUNK = 1 << 24
+        """The first 16 hex digits of ``sha256``: ``summary.json``'s ``data_sha256``. The
+        standard library's corpus is the installed interpreter's, so two machines' runs of one
+        command with ``data.source=stdlib`` may read different data; the digest tells that apart
+        from their arithmetic."""
+        return self.sha256()[:16]
 
 
 # -- the standard library ------------------------------------------------------------------
@@ -77,12 +79,6 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
         and not p.name.startswith("test_")
     ]
     return sorted(files)
-
-
-def is_validation(relative_path: str, val_fraction: float) -> bool:
-    """Deterministic per-file split: the same file always lands on the same side."""
-    digest = hashlib.sha256(relative_path.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
 def split_files(files: list[Path], root: Path, val_fraction: float) -> tuple[list[Path], list[Path]]:
@@ -218,15 +214,27 @@ def train_bpe(train: np.ndarray, vocab_size: int, key: str, directory: Path | No
     return tok, path
 
 
-def encode(tok, data: np.ndarray) -> np.ndarray:
+def encode(tok, data: np.ndarray, limit: int | None = None) -> np.ndarray:
+    """``data`` (UTF-8 bytes) as the ids of the BPE ``tok``, in chunks of a million characters,
+    up to ``limit`` tokens: the chunks past it are not tokenized (the ids are those of the whole
+    text's, cut at ``limit``)."""
     text = bytes(data).decode("utf-8", errors="replace")
     ids = []
     for i in range(0, len(text), 1_000_000):
+        if limit is not None and len(ids) >= limit:
+            break
         ids.extend(tok.encode(text[i : i + 1_000_000]).ids)
-    return np.asarray(ids, dtype=np.int32)
+    return np.asarray(ids[:limit], dtype=np.int32)
 
 
 # -- entry point -----------------------------------------------------------------------------
+
+def is_path_source(source: str) -> bool:
+    """Whether ``data.source`` names a file or folder (not a named corpus, ``stdlib`` or an
+    ``hf:`` dataset): a name wins over a folder of that name in the working directory (write
+    ``./NAME`` for the folder)."""
+    return frozen(source) is None and source != "stdlib" and not source.startswith("hf:")
+
 
 def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokenizer=None) -> Corpus:
     """The corpus ``cfg`` (a ``DataConfig``) describes, tokenized: with ``tokenizer="model"``
@@ -235,7 +243,10 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
     src = cfg.source
     # a tokenizer that reads text (BPE, a model folder's) needs UTF-8; bytes need no check
     utf8 = cfg.tokenizer in ("bpe", "model") and cfg.decode_errors == "strict"
-    if src == "stdlib":
+    if frozen(src) is not None:  # UTF-8 text by construction (frozen_corpus.kept_text)
+        train, val = read_frozen(frozen(src))
+        desc = frozen(src).describe()
+    elif src == "stdlib":
         train, val = stdlib_corpus(cfg.val_fraction, utf8=utf8)
         desc = f"Python {platform.python_version()} standard library sources, split by file"
     elif src.startswith("hf:"):
@@ -262,7 +273,8 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
     elif cfg.tokenizer == "bpe":
         key = hashlib.sha256(desc.encode() + str(len(train)).encode()).hexdigest()[:12]
         tok, tok_path = train_bpe(train, cfg.bpe_vocab_size, key, bpe_dir)
-        train, val, vocab = encode(tok, train), encode(tok, val), tok.get_vocab_size()
+        train, val = encode(tok, train, cfg.max_train_tokens), encode(tok, val, cfg.max_val_tokens)
+        vocab = tok.get_vocab_size()
         desc += f", byte-level BPE ({vocab} tokens)"
     else:
         desc += ", byte tokens"

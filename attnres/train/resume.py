@@ -15,6 +15,7 @@ from ..model import match_param_groups
 from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkpoint, load_checkpoint,
                          load_train_state, save_checkpoint)
 from .config import SAVED_BEFORE, TrainConfig, to_dict
+from .data import is_path_source
 from .sharded import load_full, load_sharded, save_sharded
 from .steps import LayerGradNorms
 
@@ -34,7 +35,7 @@ def _same_data(saved: dict, given: dict) -> list[str]:
     """The ``data.*`` fields where the run's saved settings and the given ones differ (paths
     compared as the files they name)."""
     def norm(key, value):
-        if key == "source" and isinstance(value, str) and value != "stdlib" and not value.startswith("hf:"):
+        if key == "source" and isinstance(value, str) and is_path_source(value):
             return str(Path(value).expanduser().resolve())
         return value
 

@@ -145,15 +145,16 @@ def load_sweep(root: Path) -> tuple[Sweep, dict]:
     return sweep, index
 
 
-def resume_sweep(root: str | Path, log=print) -> tuple[Path, int | None]:
+def resume_sweep(root: str | Path, log=print, allow_mixed_data: bool = False) -> tuple[Path, int | None]:
     """Continue the sweep in ``root`` with its own settings: finished points are kept, an
-    unfinished point's comparison resumes, the others start."""
+    unfinished point's comparison resumes (its runs' corpus checked against the one read now
+    unless ``allow_mixed_data``: ``compare.check_same_data``), the others start."""
     root = Path(root)
     sweep, index = load_sweep(root)
     if index.get("complete"):
         raise ValueError(f"the sweep in {root} is complete: nothing to resume")
     check_sweep(sweep)
-    return root, _run_points(root, sweep, index, log)
+    return root, _run_points(root, sweep, index, log, allow_mixed_data)
 
 
 def _point_state(point_dir: Path) -> str:
@@ -163,7 +164,7 @@ def _point_state(point_dir: Path) -> str:
     return "complete" if load_index(point_dir).get("complete") else "started"
 
 
-def _run_points(root: Path, sweep: Sweep, index: dict, log) -> int | None:
+def _run_points(root: Path, sweep: Sweep, index: dict, log, allow_mixed_data: bool = False) -> int | None:
     for entry in index["points"]:
         point_dir = root / entry["dir"]
         state = _point_state(point_dir)
@@ -172,7 +173,7 @@ def _run_points(root: Path, sweep: Sweep, index: dict, log) -> int | None:
         where = ", ".join(f"{k}={v}" for k, v in entry["values"].items())
         log(f"sweep point {where}")
         if state == "started":
-            outcome = resume_comparison(point_dir, log)
+            outcome = resume_comparison(point_dir, log, allow_mixed_data=allow_mixed_data)
         else:
             if point_dir.exists():  # a point stopped before its comparison wrote its index
                 leftovers = sorted(p.name for p in point_dir.iterdir())
