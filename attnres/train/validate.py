@@ -5,7 +5,7 @@ fields read as numbers and strings) and the number of processes the job runs.
 accepts, before anything is written, allocated or started, and before any process waits on
 another. In order:
 
-1. each field's type and range (``FIELDS``);
+1. each field's type and range (``FIELDS``), and a ``hf:`` source's token budget;
 2. a run that builds its model or continues a folder's (``init_from``, ``check_folder_run``),
    then the fields that must agree: the batch and the gradient accumulation, the sequence length
    and the model's context, the device;
@@ -139,6 +139,16 @@ def check_fields(cfg: TrainConfig) -> None:
             raise ValueError(f"{key}={value!r} must be {accepted}")
 
 
+def check_hf_source(data: DataConfig) -> None:
+    """A ``hf:`` source (``data``, a ``DataConfig``) is streamed and tokenized up to
+    ``data.max_train_tokens``, which it must set: its default, None, would tokenize the whole
+    dataset (FineWeb-Edu's sample-10BT holds 10 billion tokens)."""
+    if data.source.startswith("hf:") and data.max_train_tokens is None:
+        raise ValueError(f"data.source={data.source!r} needs data.max_train_tokens, how many training tokens to "
+                         f"stream and tokenize into its shards (e.g. --set data.max_train_tokens=1000000000); "
+                         f"unset, the whole dataset would be tokenized")
+
+
 # -- 2. the fields that must agree -----------------------------------------------------------
 
 def check_folder_run(cfg: TrainConfig) -> None:
@@ -253,6 +263,7 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
     """Every check of ``cfg`` (and, given ``processes``, of its placement on them), in the order
     of the module's docstring; the first that fails raises ``ValueError``."""
     check_fields(cfg)
+    check_hf_source(cfg.data)
     check_folder_run(cfg)
     check_agreement(cfg)
     check_pipeline_settings(cfg)
