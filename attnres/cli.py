@@ -1,5 +1,5 @@
 """The ``attnres`` command line: compare, sweep, train, generate, report, convert, export, eval,
-serve, corpus: the parser, start-up and ``main``; what each command does is in ``attnres/commands.py``.
+serve, corpus, shards: the parser, start-up and ``main``; what each command does is in ``attnres/commands.py``.
 
 It answers at once where it can: the parser, every help text and the refusal of a bad argument or
 an unknown design or preset name need only ``attnres/names.py``, and PyTorch (seconds to load) is
@@ -58,8 +58,9 @@ def _add_config_args(p, default_preset, note=""):
                    help=f"{names} (default: %(default)s{note})")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set model.residual=block --set optim.lr=3e-4")
-    p.add_argument("--data", help="text file or folder, folder with train.bin/val.bin, or hf:NAME[:CONFIG] "
-                                  "(default: the Python standard library's sources)")
+    p.add_argument("--data", help=f"a named corpus ({', '.join(CORPUS_NAMES)}), stdlib (this Python's standard "
+                                  f"library), a text file or folder, a folder of token files (train.bin/val.bin), "
+                                  f"or hf:NAME[:CONFIG] (default: {CORPUS_NAMES[0]})")
 
 
 def _limit(text: str):
@@ -226,13 +227,20 @@ def _add_corpus(sub) -> None:
     p.set_defaults(fn=commands.cmd_corpus, loads=("attnres.train.frozen_corpus",))
 
 
+def _add_shards(sub) -> None:
+    p = sub.add_parser("shards", help="stream an hf:NAME[:CONFIG] dataset into the token shards that `attnres train` "
+                                      "with these settings reads; print their folder; train nothing")
+    _add_config_args(p, "small")
+    p.set_defaults(fn=commands.cmd_shards, loads=("attnres.train.hf_shards", "attnres.train.validate"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand. Each sets ``fn``, the function that runs it, and ``loads``,
     the modules it runs on, which ``main`` imports while the command line starts (``starting``)."""
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals: train, compare, report.")
     sub = parser.add_subparsers(dest="command")
     for add in (_add_compare, _add_sweep, _add_train, _add_generate, _add_report, _add_convert, _add_export, _add_eval,
-                _add_serve, _add_corpus):
+                _add_serve, _add_corpus, _add_shards):
         add(sub)
     return parser
 

@@ -1,6 +1,6 @@
 """What each ``attnres`` subcommand does, given its parsed arguments (``cli.build_parser``):
 ``cmd_compare``, ``cmd_sweep``, ``cmd_train``, ``cmd_generate``, ``cmd_report``, ``cmd_convert``,
-``cmd_export``, ``cmd_eval``, ``cmd_serve``, ``cmd_corpus``. Each imports what it runs on (PyTorch among it)
+``cmd_export``, ``cmd_eval``, ``cmd_serve``, ``cmd_corpus``, ``cmd_shards``. Each imports what it runs on (PyTorch among it)
 inside itself: the command line loads them only once a command runs (``cli.main``), so that
 its help and its refusals of bad arguments answer at once.
 """
@@ -29,7 +29,7 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
     import dataclasses
 
     from .train.config import apply_overrides, preset
-    from .train.validate import check_given, check_run
+    from .train.validate import check_given, check_hf_source, check_run
 
     cfg = base or preset(args.preset)
     if assignments is None:
@@ -58,6 +58,7 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
     check_run(cfg)
+    check_hf_source(cfg.data)
     check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not
     return cfg
 
@@ -408,4 +409,16 @@ def cmd_corpus(args) -> int:
     from .train.frozen_corpus import fetch
 
     print(fetch(args.name))
+    return 0
+
+
+def cmd_shards(args) -> int:
+    from .train.hf_shards import hf_shards
+
+    args.init_from = None
+    cfg = config_from_args(args)
+    if not cfg.data.source.startswith("hf:"):
+        raise ValueError(f"data.source={cfg.data.source!r}: `attnres shards` makes the token shards of an "
+                         f"hf:NAME[:CONFIG] source (--data hf:NAME --set data.max_train_tokens=N)")
+    print(hf_shards(cfg.data, cfg.model.vocab_size))
     return 0

@@ -149,8 +149,11 @@ def test_a_vocabulary_past_65536_is_stored_as_uint32(tmp_path, with_split):
 
 def test_max_train_tokens_is_required(tmp_path, with_split):
     cfg = apply_overrides(tiny(), [f"data.source=hf:{with_split}", "data.max_train_tokens=None"])
-    with pytest.raises(ValueError, match=r"needs data.max_train_tokens"):
-        check_run(cfg)
+    proc = cli_in_process("train", "--preset", "tiny", "--set", f"data.source=hf:{with_split}", "--set",
+                          "data.max_train_tokens=None", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2 and "needs data.max_train_tokens" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+    check_run(cfg)  # a saved config is still read back (export, report): the check is a new run's
     with pytest.raises(ValueError, match=r"needs data.max_train_tokens"):
         load_corpus(cfg.data, 256)
     assert not (tmp_path / "cache").exists()
@@ -201,3 +204,18 @@ def test_train_on_a_streamed_dataset_records_the_shards_digest(tmp_path, with_sp
     [folder] = shard_folders(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data_sha256"] == json.loads((folder / SHARDS_JSON).read_text())["digest"]
+
+
+def test_attnres_shards_makes_the_shards_a_run_reads_and_trains_nothing(tmp_path, with_split):
+    """`attnres shards` with a run's settings prints the folder of the shards that run reads (made
+    here: what an offline machine is told to do elsewhere); a source that is not hf: is refused."""
+    settings = ["--preset", "tiny", "--data", f"hf:{with_split}", "--set", "data.max_train_tokens=3000"]
+    proc = cli_in_process("shards", *settings)
+    assert proc.returncode == 0, proc.stderr
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    assert shard_folders(tmp_path) == [folder] and "tokenizing" in proc.stderr
+    again = cli_in_process("shards", *settings)
+    assert again.stdout == proc.stdout and "nothing to tokenize" in again.stderr
+    assert not list(tmp_path.glob("runs*"))
+    refused = cli_in_process("shards", "--preset", "tiny")
+    assert refused.returncode == 2 and "makes the token shards of an hf:NAME[:CONFIG] source" in refused.stderr

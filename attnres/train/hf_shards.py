@@ -186,8 +186,8 @@ def no_network(source: Source, folder: Path, why: str) -> ValueError:
     how to make them elsewhere and bring them."""
     return ValueError(
         f"data.source={source.spec!r} streams {source.name} from the Hugging Face Hub, which this machine cannot "
-        f"reach ({why}). Make its token shards on a machine with a network (python -m attnres.train.hf_shards "
-        f"with this command's --preset, --data and --set makes them there and prints their folder), then copy "
+        f"reach ({why}). Make its token shards on a machine with a network (`attnres shards` with this command's "
+        f"--preset, --data and --set makes them there and prints their folder), then copy "
         f"that folder here to {folder}, or pass it as --data SHARDS_FOLDER")
 
 
@@ -472,27 +472,3 @@ def hf_corpus(cfg, model_vocab_size: int, tokenizer=None, bpe_dir: Path | None =
     (``hf_shards``), so that the run that made them and every later one read the same arrays
     and record the same digest. ``bpe_dir`` is unused: a BPE lives with its shards."""
     return shard_folder_corpus(hf_shards(cfg, model_vocab_size, tokenizer), cfg, model_vocab_size)
-
-
-def main(argv=None) -> int:
-    """``python -m attnres.train.hf_shards ARGS``, ARGS those of ``attnres train`` with an ``hf:``
-    source: make the token shards that run reads (on a machine that reaches the Hub), print their
-    folder, and train nothing."""
-    from ..cli import build_parser
-    from ..commands import config_from_args
-
-    args = build_parser().parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        cfg = config_from_args(args)
-        if not cfg.data.source.startswith("hf:") or args.init_from:
-            raise ValueError(f"data.source={cfg.data.source!r}{' with --from' * bool(args.init_from)}: this makes "
-                             f"the shards of an hf:NAME[:CONFIG] source, tokenized by bytes or a BPE")
-        print(hf_shards(cfg.data, cfg.model.vocab_size))
-    except ValueError as exc:
-        print(f"python -m attnres.train.hf_shards: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -142,7 +142,10 @@ def check_fields(cfg: TrainConfig) -> None:
 def check_hf_source(data: DataConfig) -> None:
     """A ``hf:`` source (``data``, a ``DataConfig``) is streamed and tokenized up to
     ``data.max_train_tokens``, which it must set: its default, None, would tokenize the whole
-    dataset (FineWeb-Edu's sample-10BT holds 10 billion tokens)."""
+    dataset (FineWeb-Edu's sample-10BT holds 10 billion tokens). Checked for a run's new
+    settings (``commands.config_from_args``) and where the shards are made, not where a saved
+    config is read back (a run of an older version, which read such a source whole, still
+    exports and reports)."""
     if data.source.startswith("hf:") and data.max_train_tokens is None:
         raise ValueError(f"data.source={data.source!r} needs data.max_train_tokens, how many training tokens to "
                          f"stream and tokenize into its shards (e.g. --set data.max_train_tokens=1000000000); "
@@ -263,7 +266,6 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
     """Every check of ``cfg`` (and, given ``processes``, of its placement on them), in the order
     of the module's docstring; the first that fails raises ``ValueError``."""
     check_fields(cfg)
-    check_hf_source(cfg.data)
     check_folder_run(cfg)
     check_agreement(cfg)
     check_pipeline_settings(cfg)
