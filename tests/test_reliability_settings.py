@@ -87,6 +87,18 @@ def test_val_fraction_for_token_files_is_refused(tmp_path, tokens):
     assert not (tmp_path / "r").exists()
 
 
+def test_val_fraction_for_a_named_corpus_is_refused(tmp_path):
+    """The default corpus's validation split is part of it: ``data.val_fraction`` does nothing."""
+    proc = cli_in_process("train", "--preset", "tiny", "--set", "data.val_fraction=0.2", "--run-dir", tmp_path / "r")
+    assert one_line_error(proc) == ("attnres train: error: --set data.val_fraction=0.2 does nothing for the corpus "
+                                    "sdists-v1: its validation split is fixed (3% of its files, the same for every "
+                                    "run); leave it out")
+    assert not (tmp_path / "r").exists()
+    stdlib = cli_in_process("train", "--preset", "tiny", "--set", "data.source=stdlib", "--set", "data.val_fraction=0.2",
+                            "--set", "run.steps=1", "--run-dir", tmp_path / "s", "--set", "run.progress=false")
+    assert stdlib.returncode == 0, stdlib.stderr
+
+
 #: compare arguments refused before its first design trains -> what the one line says
 COMPARE_REFUSED = {
     "triton-design": (["--designs", "prenorm", "block:backend=triton"],

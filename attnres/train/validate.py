@@ -31,6 +31,7 @@ import torch
 from ..model import ModelConfig
 from ..streams import build_stream
 from .config import DATA_SEED_STRIDE, DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
+from .frozen_corpus import frozen
 from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, run_plan
 
 
@@ -292,7 +293,7 @@ def check_given(cfg: TrainConfig, given, token_files: bool = False) -> None:
     """Refuse a setting the user gave (``given``: the ``section.field`` keys of their ``--set``)
     that does nothing in ``cfg``: one of ``ONLY_UNDER`` without the value it acts under, and
     ``data.val_fraction`` for a folder of token files (``token_files``: its ``val.bin`` is the
-    validation split). Defaults and a resumed run's saved values are not the user's choice now,
+    validation split) or a named corpus (its split is part of it). Defaults and a resumed run's saved values are not the user's choice now,
     and are not checked this way."""
     given = set(given)
     for key, (other, values) in ONLY_UNDER.items():
@@ -306,6 +307,11 @@ def check_given(cfg: TrainConfig, given, token_files: bool = False) -> None:
     if token_files and "data.val_fraction" in given:
         raise ValueError(f"--set data.val_fraction={cfg.data.val_fraction!r} does nothing for a folder of token "
                          f"files: its val.bin is the validation split; leave it out")
+    named = frozen(cfg.data.source)
+    if named is not None and "data.val_fraction" in given:
+        raise ValueError(f"--set data.val_fraction={cfg.data.val_fraction!r} does nothing for the corpus "
+                         f"{named.name}: its validation split is fixed ({named.val_share:.0%} of its files, the same "
+                         f"for every run); leave it out")
 
 
 def backend_problem(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
