@@ -11,11 +11,15 @@ model:
   damping      sqrt(ms / (ms + eps)) of each read before its norm (1 = undamped), min and mean
                over the routing sites, where ms is the read's mean square
 
-    python studies/init_damping.py
+    python studies/init_damping.py [--data SOURCE]
+
+``--data``: the corpus of the validation tokens (default: the study preset's; docs/RESULTS.md's
+figures read ``stdlib``).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -39,7 +43,12 @@ def model_like(prenorm: Transformer, residual: str, eps: float) -> Transformer:
 
 @torch.no_grad()
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="data.source of the validation tokens (default: the study preset's)")
+    args = parser.parse_args()
     cfg = study()
+    if args.data:
+        cfg.data.source = args.data
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     tokens, _ = batch_at(corpus.val, 4, cfg.run.seq_len, EVAL_SEED, 0)
     torch.manual_seed(0)

@@ -2,13 +2,13 @@
 bytes continues a passage (multiple choice, chance 25%).
 
 Each item is a passage of ``--context`` bytes at a random place in the validation split (files
-no model of the study trained on: ``data.stdlib_corpus`` splits by file), the true next
-``--span`` bytes, and three spans of the same length from other random places of the split; a
+no model of the study trained on: the corpus, ``--data``, the study preset's by default, splits
+by file), the true next ``--span`` bytes, and three spans of the same length from other random places of the split; a
 model picks the span it gives the highest log-likelihood after the passage (lm-eval's ``acc``).
 The continuation follows the passage with no delimiter: a byte-level model reads exactly the
 bytes of the text. Items whose bytes are not UTF-8 text are drawn again.
 
-    python studies/next_bytes_task.py OUT_DIR [--items 400] [--context 96] [--span 12] [--seed 0]
+    python studies/next_bytes_task.py OUT_DIR [--items 400] [--context 96] [--span 12] [--seed 0] [--data SOURCE]
 
 writes ``OUT_DIR/next_bytes.yaml`` and ``OUT_DIR/next_bytes.jsonl``; evaluate with
 ``--tasks next_bytes --include-path OUT_DIR`` (``attnres eval``, ``attnres compare --from``).
@@ -76,8 +76,12 @@ def main(argv=None) -> None:
     parser.add_argument("--context", type=int, default=96)
     parser.add_argument("--span", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="data.source whose validation split the items come from (default: the study "
+                                       "preset's)")
     args = parser.parse_args(argv)
     data = study().data  # the study's validation split: the held-out files, its first 400,000 bytes
+    if args.data:
+        data.source = args.data
     corpus = load_corpus(DataConfig(**{**data.__dict__, "tokenizer": "byte"}), 256)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "next_bytes.jsonl"

@@ -15,7 +15,8 @@ import attnres.hf  # noqa: E402  (registers the Auto classes)
 from attnres import ModelConfig  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, byte_tokenizer, convert, freeze_base, routing_parameters  # noqa: E402
 from attnres.hf.finetune import finetune  # noqa: E402
-from attnres.train.data import stdlib_corpus  # noqa: E402
+from attnres.train.config import DataConfig  # noqa: E402
+from attnres.train.data import load_corpus  # noqa: E402
 
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -127,7 +128,7 @@ def test_continued_pretraining_moves_every_routing_parameter():
     conv = convert(src, heads=4, block_layers=2)
     freeze_base(conv)
     assert {n for n, p in conv.named_parameters() if p.requires_grad} == set(routing_parameters(conv))
-    tokens, _ = stdlib_corpus(max_train_bytes=300_000, max_val_bytes=1)
+    tokens = load_corpus(DataConfig(max_train_tokens=300_000, max_val_tokens=1), 256).train
     initial = {n: p.detach().clone() for n, p in routing_parameters(conv).items()}
     grads_at_zero, moved = {}, []
 
@@ -155,7 +156,7 @@ def test_continued_pretraining_moves_every_routing_parameter():
 
 def test_full_finetune_lowers_the_loss():
     conv = convert(source_model("qwen3"), heads=4, block_layers=2)
-    tokens, _ = stdlib_corpus(max_train_bytes=300_000, max_val_bytes=1)
+    tokens = load_corpus(DataConfig(max_train_tokens=300_000, max_val_tokens=1), 256).train
     losses = finetune(conv, tokens, steps=25, batch_size=4, seq_len=64, lr=3e-3)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
 
