@@ -155,6 +155,7 @@ def demo() -> TrainConfig:
     """The default of ``attnres compare``: six designs in under 15 minutes on two CPU cores."""
     return TrainConfig(
         model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
+        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
         run=RunConfig(steps=160, batch_size=16, seq_len=128, eval_every=40, eval_batches=12, log_every=10),
     )
@@ -177,6 +178,7 @@ def study() -> TrainConfig:
     paired intervals): about 50 minutes on two CPU cores. Pilot runs: docs/RESULTS.md."""
     return TrainConfig(
         model=_model(dim=96, n_layers=8, n_heads=4, max_seq_len=128),
+        data=DataConfig(max_train_tokens=8_000_000, max_val_tokens=400_000),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
         run=RunConfig(steps=STUDY_STEPS, batch_size=16, seq_len=128, eval_every=STUDY_STEPS // 4, eval_batches=24,
                       log_every=10),
