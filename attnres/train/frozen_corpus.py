@@ -240,7 +240,10 @@ def download(corpus: FrozenCorpus, log=print) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text("\n".join(s.requirement for s in corpus.sdists) + "\n")
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # the sdists, not wheels (--no-binary names them: their build tools, which pip installs to
+        # read each sdist's metadata, may come as wheels)
+        sdists = ",".join(s.name for s in corpus.sdists)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", sdists,
                    "--ignore-requires-python", "--require-hashes", "--progress-bar", "off",
                    "-r", str(requirements), "-d", str(archives)]
         log(f"corpus {corpus.name}: downloading {len(corpus.sdists)} sdists from PyPI with pip")
