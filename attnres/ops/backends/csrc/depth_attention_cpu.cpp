@@ -1,6 +1,6 @@
 // Fused depth attention and two-phase merge for CPU tensors: one pass over the tokens per direction.
 //
-// The PyTorch path (ops/fused.py) runs each product and sum as its own op over [tokens, D]
+// The PyTorch path (ops/backends/torch.py) runs each product and sum as its own op over [tokens, D]
 // tensors, so a source is read about twice in forward and six times in backward, and every
 // intermediate is written to memory and read back. Here each token is one unit of work: the
 // rows of all sources of a token (N x D numbers, a few KiB) stay in cache while the logits,
@@ -31,17 +31,17 @@ using attnres::cpu::DepthArgs;
 using attnres::cpu::MergeArgs;
 using attnres::cpu::SourceGradArgs;
 
-// 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON/SSE
-// registers elsewhere) for the dot products, whose partial sums an array would keep in memory.
+// Vectors of ATTNRES_VEC_BYTES (cpu_kernels.h: one AVX-512 or AVX2 register, GCC/Clang vector
+// extensions) for the dot products, whose partial sums an array would keep in memory.
 template <typename F>
 struct VecOf;
 template <>
 struct VecOf<float> {
-  typedef float type __attribute__((vector_size(32)));
+  typedef float type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
 };
 template <>
 struct VecOf<double> {
-  typedef double type __attribute__((vector_size(32)));
+  typedef double type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
 };
 template <typename F>
 using Vec = typename VecOf<F>::type;
@@ -398,7 +398,7 @@ void source_grad(const SourceGradArgs& a) {
   }
 }
 
-// Phase 2 of the two-phase Block computation (ops/two_phase.py), per token and head:
+// Phase 2 of the two-phase Block computation (ops/routing.py), per token and head:
 //   r = rsqrt(mean(P^2) + eps) (or 1), s2 = r (qg[h] . P[h]),
 //   softmax: w = sigmoid(lse1 - s2), h = lerp(P, o1, w);  sigmoid: w = sigmoid(s2), h = o1 + w P,
 // optionally followed by the next sublayer's RMSNorm, y = (h * rr) * norm_w.
