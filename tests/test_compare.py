@@ -470,6 +470,41 @@ def test_each_run_records_the_tokens_it_read_and_the_report_says_when_they_diffe
     assert "**The runs read 2 different corpora**" in text and "fedcba9876543210: " in text
 
 
+def test_each_run_records_its_packages_and_the_report_says_when_they_differ(comparison, tmp_path):
+    """summary.json's machine holds the lock's digest and the distributions that differ from it
+    (train/machine.py): alike for every run of a comparison, so the report says nothing; a run
+    with another version of numpy is listed, and a run recorded without the fields is left out."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(comparison.parent, root)
+    summaries = sorted(root.glob("*/summary.json"))
+    recorded = [json.loads(p.read_text())["machine"] for p in summaries]
+    assert len({(m["lock_sha256"], json.dumps(m["unlocked"])) for m in recorded}) == 1
+    assert len(recorded[0]["lock_sha256"]) == 64
+    assert "sets of packages" not in (root / "report.md").read_text()
+    moved = json.loads(summaries[0].read_text())
+    moved["machine"]["unlocked"] = {"numpy": {"installed": "2.0.0", "locked": "2.4.6"},
+                                    "rich": {"installed": "15.0.0", "locked": None}}
+    summaries[0].write_text(json.dumps(moved))
+    older = json.loads(summaries[1].read_text())
+    del older["machine"]["lock_sha256"], older["machine"]["unlocked"]  # a run from before the fields
+    summaries[1].write_text(json.dumps(older))
+    for path in summaries[2:]:  # as an environment built by `make setup` records them
+        alike = json.loads(path.read_text())
+        alike["machine"]["unlocked"] = {}
+        path.write_text(json.dumps(alike))
+    assert cli_in_process("report", root).returncode == 0
+    text = (root / "report.md").read_text()
+    note = next(line for line in text.splitlines() if "sets of packages" in line)
+    assert note.startswith("**The runs come from 2 sets of packages** (`lock_sha256`, `unlocked`): ")
+    lock = recorded[0]["lock_sha256"][:16]
+    assert (f"lock {lock}, unlocked numpy 2.0.0 (locked 2.4.6), rich 15.0.0 (not in the lock): "
+            f"{summaries[0].parent.name} seed 0" in note), note
+    assert f"lock {lock}, as locked: " in note and f"{summaries[1].parent.name} seed" not in note
+    assert "machines" not in text and "different corpora" not in text
+
+
 @pytest.mark.parametrize("value, text", [(0.0, "+0.0000"), (-0.01234, "-0.0123"), (5e-5, "+0.0001"),
                                          (-2.4e-5, "-2.40e-05"), (3e-7, "+3.00e-07")])
 def test_differences_too_small_for_four_decimals_are_written_in_scientific_notation(value, text):

@@ -165,6 +165,7 @@ def _header(c: Comparison) -> list[str]:
         *_summary_lines(c.index, c.designs, c.results, unit),
         *_machines_note(c),
         *_data_note(c),
+        *_packages_note(c),
         *_epsilon_note(c),
     ]
 
@@ -206,6 +207,28 @@ def _data_note(c: Comparison) -> list[str]:
     return ["", f"**The runs read {len(read)} different corpora** (`data_sha256`): " + "; ".join(
         f"{d}: {', '.join(runs)}" for d, runs in read.items()) + ". A paired difference whose two runs read "
         "different data holds the data's difference too.", ""]
+
+
+def _packages_note(c: Comparison) -> list[str]:
+    """When the runs computed with different packages (``summary.json``'s ``machine``: the digest
+    of the lock the environment was set up from, ``lock_sha256``, and the installed distributions
+    that differ from it, ``unlocked``), which ran with which: their pairs then differ by the
+    packages too (numpy, scipy, transformers, ...). Runs from before these were recorded are left out."""
+    def described(summary: dict) -> str | None:
+        m = summary.get("machine") or {}
+        if m.get("lock_sha256") is None and m.get("unlocked") is None:
+            return None
+        differ = ", ".join(f"{name} {v['installed'] or 'not installed'} "
+                           + (f"(locked {v['locked']})" if v["locked"] else "(not in the lock)")
+                           for name, v in sorted((m.get("unlocked") or {}).items()))
+        return f"lock {(m.get('lock_sha256') or 'unread')[:16]}, " + (f"unlocked {differ}" if differ else "as locked")
+
+    ran = _runs_by(c, described)
+    if len(ran) < 2:
+        return []
+    return ["", f"**The runs come from {len(ran)} sets of packages** (`lock_sha256`, `unlocked`): " + "; ".join(
+        f"{p}: {', '.join(runs)}" for p, runs in ran.items()) + ". A paired difference whose two runs computed "
+        "with different packages holds the packages' difference too.", ""]
 
 
 def _epsilon_note(c: Comparison) -> list[str]:
