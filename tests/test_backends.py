@@ -35,6 +35,10 @@ SHAPES = [
     pytest.param(2, 10, 3, (7,), id="H2-D10-N3"),
     pytest.param(4, 172, 9, (2, 5), id="H4-D172-N9"),  # heads of 43 numbers, from offsets past 0
     pytest.param(8, 96, 5, (3, 4), id="H8-D96-N5"),
+    # heads of 96 and 80 numbers: the kernels' 64-byte vectors where the build has AVX-512 (a head
+    # of a multiple of 16 fp32 numbers), four vectors then two, and four then one
+    pytest.param(1, 96, 3, (4,), id="H1-D96-N3"),
+    pytest.param(2, 160, 4, (3,), id="H2-D160-N4"),
 ]
 
 

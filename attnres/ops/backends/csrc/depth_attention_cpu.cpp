@@ -31,46 +31,58 @@ using attnres::cpu::DepthArgs;
 using attnres::cpu::MergeArgs;
 using attnres::cpu::SourceGradArgs;
 
-// Vectors of ATTNRES_VEC_BYTES (cpu_kernels.h: one AVX-512 or AVX2 register, GCC/Clang vector
-// extensions) for the dot products, whose partial sums an array would keep in memory.
-template <typename F>
-struct VecOf;
-template <>
-struct VecOf<float> {
-  typedef float type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
+// Vectors of B bytes (GCC/Clang vector extensions) for the dot products and weighted sums, whose
+// partial sums an array would keep in memory: ATTNRES_VEC_BYTES (cpu_kernels.h: one AVX-512 or
+// AVX2 register) where the row's length is a multiple of such a vector, else 32 bytes (a head of
+// 24 numbers, MHAR's at the demo size, would run one 16-wide vector and a scalar tail of 8, where
+// 8-wide vectors cover it whole). `wide` says which; the choice is a function of the shapes alone.
+template <typename F, int B>
+struct VecOf {
+  typedef F type __attribute__((vector_size(B)));
 };
-template <>
-struct VecOf<double> {
-  typedef double type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
-};
-template <typename F>
-using Vec = typename VecOf<F>::type;
+template <typename F, int B>
+using Vec = typename VecOf<F, B>::type;
 
 template <typename F>
-inline Vec<F> load(const F* p) {  // unaligned
-  Vec<F> v;
+inline bool wide(int64_t n) {
+  return ATTNRES_VEC_BYTES > 32 && n % (ATTNRES_VEC_BYTES / int64_t(sizeof(F))) == 0;
+}
+
+template <typename F, int B>
+inline Vec<F, B> load(const F* p) {  // unaligned
+  Vec<F, B> v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
+template <typename F, int B>
+inline void store(F* p, Vec<F, B> v) {  // unaligned
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
 // Four independent partial sums: one accumulator would wait on the latency of every add.
-template <typename F>
-inline F dot(const F* a, const F* b, int64_t n) {
-  constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);
-  Vec<F> s0 = {}, s1 = {}, s2 = {}, s3 = {};
+template <typename F, int B>
+inline F dot_in(const F* a, const F* b, int64_t n) {
+  constexpr int64_t W = B / sizeof(F);
+  Vec<F, B> s0 = {}, s1 = {}, s2 = {}, s3 = {};
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {
-    s0 += load(a + i) * load(b + i);
-    s1 += load(a + i + W) * load(b + i + W);
-    s2 += load(a + i + 2 * W) * load(b + i + 2 * W);
-    s3 += load(a + i + 3 * W) * load(b + i + 3 * W);
+    s0 += load<F, B>(a + i) * load<F, B>(b + i);
+    s1 += load<F, B>(a + i + W) * load<F, B>(b + i + W);
+    s2 += load<F, B>(a + i + 2 * W) * load<F, B>(b + i + 2 * W);
+    s3 += load<F, B>(a + i + 3 * W) * load<F, B>(b + i + 3 * W);
   }
-  for (; i + W <= n; i += W) s0 += load(a + i) * load(b + i);
-  const Vec<F> s = (s0 + s1) + (s2 + s3);
+  for (; i + W <= n; i += W) s0 += load<F, B>(a + i) * load<F, B>(b + i);
+  const Vec<F, B> s = (s0 + s1) + (s2 + s3);
   F acc = 0;
   for (int64_t k = 0; k < W; ++k) acc += s[k];
   for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+template <typename F>
+inline F dot(const F* a, const F* b, int64_t n) {
+  return wide<F>(n) ? dot_in<F, ATTNRES_VEC_BYTES>(a, b, n) : dot_in<F, 32>(a, b, n);
 }
 
 // The logit of head h of a query row qg against a source row v with inverse RMS r (1 without
@@ -171,44 +183,52 @@ void weights(const DepthArgs& a, const F* lg, F* lse_out, int64_t t, F* p) {
   }
 }
 
-template <typename F>
-inline void store(F* p, Vec<F> v) {  // unaligned
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-
 // out[d] = sum_k w[k * ws + h] x_k[d] for every head h and d in its slice [h dh, (h + 1) dh), or
 // out[d] += that sum when add. The sums stay in vector registers across the rows, four vectors at
 // a time (an axpy per row would load and store out once per row); rows are added in order, the
 // first one's term starting the sum when not add (which needs n >= 1). The compiler may fuse either
 // of the first two products, so the bits need not be those of scale(w_0, x_0) then an axpy per row.
-template <typename F>
-void weighted_rows(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t H, int64_t dh, bool add, F* out) {
-  constexpr int64_t W = sizeof(Vec<F>) / sizeof(F);
+template <typename F, int B>
+void weighted_rows_in(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t H, int64_t dh, bool add,
+                      F* out) {
+  constexpr int64_t W = B / sizeof(F);
   const int64_t k0 = add ? 0 : 1;
   for (int64_t h = 0; h < H; ++h) {
     auto weight = [&](int64_t k) { return w[k * ws + h]; };
     const int64_t lo = h * dh, hi = lo + dh;
     int64_t d = lo;
     for (; d + 4 * W <= hi; d += 4 * W) {
-      Vec<F> s0, s1, s2, s3;
+      Vec<F, B> s0, s1, s2, s3;
       if (add) {
-        s0 = load(out + d), s1 = load(out + d + W), s2 = load(out + d + 2 * W), s3 = load(out + d + 3 * W);
+        s0 = load<F, B>(out + d);
+        s1 = load<F, B>(out + d + W);
+        s2 = load<F, B>(out + d + 2 * W);
+        s3 = load<F, B>(out + d + 3 * W);
       } else {
         const F* v = x[0] + d;
         const F c = weight(0);
-        s0 = c * load(v), s1 = c * load(v + W), s2 = c * load(v + 2 * W), s3 = c * load(v + 3 * W);
+        s0 = c * load<F, B>(v);
+        s1 = c * load<F, B>(v + W);
+        s2 = c * load<F, B>(v + 2 * W);
+        s3 = c * load<F, B>(v + 3 * W);
       }
       for (int64_t k = k0; k < n; ++k) {
         const F* v = x[k] + d;
         const F c = weight(k);
-        s0 += c * load(v), s1 += c * load(v + W), s2 += c * load(v + 2 * W), s3 += c * load(v + 3 * W);
+        s0 += c * load<F, B>(v);
+        s1 += c * load<F, B>(v + W);
+        s2 += c * load<F, B>(v + 2 * W);
+        s3 += c * load<F, B>(v + 3 * W);
       }
-      store(out + d, s0), store(out + d + W, s1), store(out + d + 2 * W, s2), store(out + d + 3 * W, s3);
+      store<F, B>(out + d, s0);
+      store<F, B>(out + d + W, s1);
+      store<F, B>(out + d + 2 * W, s2);
+      store<F, B>(out + d + 3 * W, s3);
     }
     for (; d + W <= hi; d += W) {
-      Vec<F> s0 = add ? load(out + d) : weight(0) * load(x[0] + d);
-      for (int64_t k = k0; k < n; ++k) s0 += weight(k) * load(x[k] + d);
-      store(out + d, s0);
+      Vec<F, B> s0 = add ? load<F, B>(out + d) : weight(0) * load<F, B>(x[0] + d);
+      for (int64_t k = k0; k < n; ++k) s0 += weight(k) * load<F, B>(x[k] + d);
+      store<F, B>(out + d, s0);
     }
     for (; d < hi; ++d) {
       F s0 = add ? out[d] : weight(0) * x[0][d];
@@ -216,6 +236,14 @@ void weighted_rows(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t
       out[d] = s0;
     }
   }
+}
+
+template <typename F>
+void weighted_rows(int64_t n, const F* const* x, const F* w, int64_t ws, int64_t H, int64_t dh, bool add, F* out) {
+  if (wide<F>(dh))
+    weighted_rows_in<F, ATTNRES_VEC_BYTES>(n, x, w, ws, H, dh, add, out);
+  else
+    weighted_rows_in<F, 32>(n, x, w, ws, H, dh, add, out);
 }
 
 // The rows of token t of every source (sources in order).
