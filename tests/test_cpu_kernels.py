@@ -386,6 +386,7 @@ def op_cases(dt):
         norm_eps=1e-5, heads=H, score="softmax", key_norm=True, sources_need=[True, False, True],
         qg_needs=True, weight_needs=True)))
     cases.append((ops.cpu_attend_backward, dict(cases[-1][1], sources_need=[False, True, False], for_ledger=True)))
+    cases.append((ops.cpu_attend_backward, dict(cases[-1][1], logits=rand(3, 2, *lead, H))))  # scored when written
     o1, lse1 = rand(*lead, D, grad=True), rand(*lead, H, grad=True)
     partial, query = rand(*lead, D, grad=True), rand(D, grad=True)
     merge = dict(o1=o1, lse1=lse1, partial=partial, qg=query, heads=H, eps=1e-6)
@@ -405,7 +406,8 @@ def op_cases(dt):
         source=v, inv_rms=inverse_rms(v), queries=[rand(2, D), rand(1, D)],
         lse=[rand(2, *lead, H), rand(1, *lead, H)], ds=[rand(2, *lead, H), rand(1, *lead, H)],
         grads=[rand(*lead, D), None, rand(*lead, D)], grad=rand(*lead, D), heads=H,
-        score="softmax", key_norm=True)))
+        score="softmax", key_norm=True, logits=[None, None])))
+    cases.append((ops.cpu_source_grad, dict(cases[-1][1], logits=[rand(2, *lead, H), None])))  # one read's given
     cases.append((ops.cpu_decode_read, dict(
         sources=rand(4, *lead, D), count=3, query=rand(D), heads=H, eps=1e-6, score="softmax",
         key_norm=True, base=rand(*lead, D), gate=0.5, norm_weight=rand(D), norm_eps=1e-5)))

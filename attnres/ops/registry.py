@@ -56,6 +56,9 @@ class Backend:
     traceable: bool = True
     #: offers ``score_source``/``attend_scored`` (inference: each source scored once)
     scores_ahead: bool = False
+    #: its ``attend`` reads the ``logits`` scored when each source was written (training, eager,
+    #: with the ledger: ``ops.routing``), instead of scoring each token of each read
+    scores_in_training: bool = False
     #: offers ``decode_read`` (a decode pass: each read one call over a buffer of the sources)
     decodes: bool = False
     #: its ``attend`` leaves the gradients of sources an ``ops.source_ledger`` tracks to the
@@ -133,7 +136,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             dtypes=(torch.float32, torch.bfloat16, torch.float16), ablations=False, setup=_triton_setup,
             preload=False),
     Backend("cpu", auto=("cpu",), devices=lambda: ("cpu",), dtypes=(torch.float32, torch.float64),
-            scores_ahead=True, decodes=True, defers_source_grads=True, setup=cpu_ops.build_problem),
+            scores_ahead=True, scores_in_training=True, decodes=True, defers_source_grads=True,
+            setup=cpu_ops.build_problem),
     Backend("torch", auto=(ANY_DEVICE,), scores_ahead=True),
     Backend("naive", per_token_query=True, decodes=True),
 )}

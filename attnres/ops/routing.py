@@ -19,7 +19,12 @@ routing)::
 Phase 1 scores every query of a block against its completed sources once, when the block opens;
 a read then only merges its partial sum (``merge``). On the inference path (autograd off, a
 backend with ``scores_ahead``) each completed source is scored once against every later site the
-moment it is added, and phase 1 only gathers rows of those scores.
+moment it is added, and phase 1 only gathers rows of those scores. In training on a backend with
+``scores_in_training`` (eager, with the ledger of deferred source gradients) every stream's
+sources are scored the same way, in one matrix product each, and every read of completed sources
+takes its rows as a cache of values (``attend``'s ``logits``): the read's forward only mixes, and
+its backward and the source's deferred gradient read the logits instead of scoring each token
+again; the gradients flow through the queries and sources as before (the logits hold no graph).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from .backends import BackendOps
+from .backends.common import stack_scores
 from .backends.naive import depth_attention_naive
 from .registry import Request, pick, validate
 from .source_ledger import SourceLedger
@@ -50,7 +56,9 @@ class RoutingMemo(NamedTuple):
 
     backend: BackendOps  # the operations of the backend chosen for this pass
     prepared: tuple  # each completed source's ``prepare`` value (or None)
-    scores: tuple | None  # inference: each completed source's logits for every site from its first reader on
+    #: each completed source's logits ``[..., K, H]`` for every site from its first reader to the
+    #: last (inference, or training on a backend with ``scores_in_training``), or None
+    scores: tuple | None
     phase_one: PhaseOne | None  # the open block's phase 1 (two-phase path)
     #: eager training on a backend that defers the sources' gradients
     ledger: SourceLedger | None = None
@@ -89,11 +97,14 @@ class DepthRouter:
         backend with ``scores_ahead`` scores each source once (the inference path)."""
         backend = pick(self.backend, Request(like.device.type, like.dtype, self.score, self.key_norm,
                                              self.per_token_query))
-        scoring = two_phase and backend.scores_ahead and not torch.is_grad_enabled()
         ledger = None
         if (backend.defers_source_grads and self.defer_source_grads and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             ledger = SourceLedger(backend.ops.source_grad, self.options, like.dtype)
+        if torch.is_grad_enabled():  # training: the sources scored as written, where the backend reads the logits
+            scoring = ledger is not None and backend.scores_in_training and not self.per_token_query
+        else:
+            scoring = two_phase and backend.scores_ahead
         return RoutingMemo(backend.ops, (), () if scoring else None, None, ledger)
 
     def decode_backend(self, like: torch.Tensor) -> BackendOps | None:
@@ -134,16 +145,14 @@ class DepthRouter:
         completed ``sources`` (all of them added with ``add_source``), the first through ``norm``
         (that site's pre-norm, or None)."""
         ops = memo.backend
-        if memo.scores is not None:
-            # each source's scores run from the first site that reads it to the last row of
-            # ``queries``, so this block's sites are the same rows counted from the end
-            end = queries.shape[0]
-            rows = [s[..., first - end:last - end or None, :] for s in memo.scores]
-            outs, lse = ops.attend_scored(rows, list(sources), score=self.score, norm=norm)
+        if memo.scores is not None and not torch.is_grad_enabled():
+            outs, lse = ops.attend_scored(_score_rows(memo, queries, first, last), list(sources), score=self.score,
+                                          norm=norm)
         else:
+            logits = None if memo.scores is None else stack_scores(_score_rows(memo, queries, first, last), sources)
             outs, lse = ops.attend(queries[first:last], _read_sources(memo, sources),
                                    None if gains is None else gains[first:last], norm=norm, prepared=memo.prepared,
-                                   **self.options)
+                                   logits=logits, **self.options)
         return memo._replace(phase_one=PhaseOne(outs, lse, first))
 
     def read(self, memo: RoutingMemo, site: int, partial: torch.Tensor | None, queries: torch.Tensor,
@@ -160,17 +169,25 @@ class DepthRouter:
             norm=norm, **self.options)
 
     def route(self, memo: RoutingMemo, sources: Sequence[torch.Tensor], query: torch.Tensor,
-              gain: torch.Tensor | None, norm=None, among: Sequence[int] | None = None) -> torch.Tensor:
+              gain: torch.Tensor | None, norm=None, among: Sequence[int] | None = None,
+              site: tuple[int, int] | None = None) -> torch.Tensor:
         """One read on its own: ``sum_j alpha_j v_j`` over ``sources`` (the completed ones first,
         in the order they were added, then any not added, such as a partial sum) with ``query``
         ``[D]`` (or ``[..., D]`` per token) and ``gain``, through ``norm`` (the read's pre-norm,
         fused where the backend can) when given. ``among``: for a read of some of the completed
-        sources (Full's window), the index each of ``sources`` was added at."""
+        sources (Full's window), the index each of ``sources`` was added at. ``site``: ``(i,
+        sites)``, the read's site among the stream's ``sites``, so that a read of completed
+        sources alone takes their logits from the memo's scores when it has them."""
         among = range(len(sources)) if among is None else among
         prepared = tuple(memo.prepared[j] if j < len(memo.prepared) else None for j in among)
+        logits = None
+        if memo.scores is not None and site is not None and all(j < len(memo.scores) for j in among):
+            i, end = site
+            rows = [memo.scores[j][..., i - end:i - end + 1 or None, :] for j in among]
+            logits = stack_scores(rows, sources)
         outs, _ = memo.backend.attend(
             query[None], _read_sources(memo, sources, among), None if gain is None else gain[None], norm=norm,
-            prepared=prepared, **self.options)
+            prepared=prepared, logits=logits, **self.options)
         return outs[0]
 
     def route_with_weights(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
@@ -182,6 +199,14 @@ class DepthRouter:
     def __repr__(self) -> str:
         return (f"DepthRouter(heads={self.heads}, score={self.score}, key_norm={self.key_norm}, "
                 f"backend={self.backend}, defer_source_grads={self.defer_source_grads})")
+
+
+def _score_rows(memo: RoutingMemo, queries: torch.Tensor, first: int, last: int) -> list[torch.Tensor]:
+    """Each completed source's logits ``[..., last - first, H]`` for the sites ``first .. last -
+    1``: its scores run from the first site that reads it to the last row of ``queries``, so
+    those sites are the same rows counted from the end."""
+    end = queries.shape[0]
+    return [s[..., first - end:last - end or None, :] for s in memo.scores]
 
 
 def _read_sources(memo: RoutingMemo, sources: Sequence[torch.Tensor],

@@ -53,13 +53,16 @@ class DeferredRead(NamedTuple):
     ``queries``: ``[S, D]``, the queries with the key-norm gain folded in; ``lse``:
     ``[S, ..., H]``, the read's log-sum-exp (ignored for the sigmoid score); ``ds``:
     ``[S, ..., H]``, ``dL/d logit`` of this source; ``grads``: ``S`` upstream gradients
-    ``[..., D]`` of the read's mixes (before any fused norm), None where a query got none. The
-    source's logits and weights are computed again from the source (numbers per token)."""
+    ``[..., D]`` of the read's mixes (before any fused norm), None where a query got none;
+    ``logits``: ``[S, ..., H]``, the source's logits as the read had them (scored when the
+    source was written), or None: they and the weights are computed again from the source
+    (numbers per token)."""
 
     queries: torch.Tensor
     lse: torch.Tensor
     ds: torch.Tensor
     grads: tuple[torch.Tensor | None, ...]
+    logits: torch.Tensor | None = None
 
 
 def current_backward() -> int:

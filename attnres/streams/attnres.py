@@ -141,7 +141,8 @@ class DepthRoutingStream(Stream):
                        norm=None) -> torch.Tensor:
         """``sum_j alpha_j v_j`` of ``site`` over ``sources`` in one routing call on the pass's
         backend, through ``norm`` (the site's norm, fused where the backend can) when given."""
-        return self.router.route(memo, sources, *self._site_query(site, sources), norm)
+        return self.router.route(memo, sources, *self._site_query(site, sources), norm,
+                                 site=(site, self.num_sublayers + 1))
 
     def _route_traced(self, site: int, sources: Sequence[torch.Tensor], trace: Trace) -> torch.Tensor:
         """``sum_j alpha_j v_j`` of ``site`` over ``sources`` on the reference path, before the
@@ -267,7 +268,8 @@ class FullAttnResStream(KeepsEverySource, DepthRoutingStream):
             self._record_weights(trace, i, trace.depth_weights[i], among)
             return self._finish_read(i, mixed, trace)
         # the norm fused: backward recomputes the mix instead of keeping it
-        return self.router.route(state.memo, sources, *self._site_query(i, sources), self._site_norm(i), among)
+        return self.router.route(state.memo, sources, *self._site_query(i, sources), self._site_norm(i), among,
+                                 site=(i, self.num_sublayers + 1))
 
     @staticmethod
     def _record_weights(trace: Trace, site: int, weights: torch.Tensor, among: list[int]) -> None:

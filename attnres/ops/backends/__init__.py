@@ -2,7 +2,7 @@
 
 ``BackendOps`` is the interface: every backend implements ``attend``, ``merge`` and ``prepare``;
 the other methods belong to the capabilities its ``ops.registry`` line declares (``scores_ahead``,
-``decodes``, ``defers_source_grads``) and raise ``NotImplementedError`` elsewhere. The registry
+``scores_in_training``, ``decodes``, ``defers_source_grads``) and raise ``NotImplementedError`` elsewhere. The registry
 holds each backend's object (``Backend.ops``); the router keeps the one it picked for a pass
 and calls its methods. What each backend accepts (devices, dtypes, ablations) is declared in
 ``ops.registry``.
@@ -32,13 +32,17 @@ class BackendOps:
     def attend(self, queries: torch.Tensor, sources: Sequence[torch.Tensor],
                gains: torch.Tensor | None = None, *, heads: int = 1, eps: float = 1e-6,
                score: str = "softmax", key_norm: bool = True, norm=None,
-               prepared: Sequence[torch.Tensor | None] | None = None) -> Outputs:
+               prepared: Sequence[torch.Tensor | None] | None = None,
+               logits: torch.Tensor | None = None) -> Outputs:
         """``(outs, lse)``: ``S`` queries ``[S, D]`` against ``sources``, one output ``[..., D]``
         per query in the sources' dtype (the first through ``norm`` when given) and the
         log-sum-exp of each query's logits ``[S, ..., H]`` (zeros for the sigmoid score), what
         ``merge`` needs. ``prepared``: each source's ``prepare`` value (entries may be None), so
-        that a source read by many sublayers is prepared once. Gradients flow to queries, gains,
-        sources and the norm's gain."""
+        that a source read by many sublayers is prepared once. ``logits``: the logits ``[N, S,
+        ..., H]`` of these queries against the sources, computed when each source was written
+        (``scores_in_training``), a cache of values that a backend with that capability reads
+        instead of scoring each token (the others ignore it: they compute the same numbers).
+        Gradients flow to queries, gains, sources and the norm's gain."""
         raise NotImplementedError
 
     def merge(self, o1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor,
@@ -61,9 +65,9 @@ class BackendOps:
     def score_source(self, source: torch.Tensor, queries: torch.Tensor,
                      gains: torch.Tensor | None = None, *, heads: int = 1, eps: float = 1e-6,
                      key_norm: bool = True, prepared: torch.Tensor | None = None) -> torch.Tensor:
-        """``scores_ahead`` (inference): the logits ``[..., K, H]`` of one source ``[..., D]`` for
-        ``K`` queries ``[K, D]`` with gains ``[K, D]`` (or None); ``prepared`` its ``prepare``
-        value."""
+        """``scores_ahead`` (inference) and ``scores_in_training``: the logits ``[..., K, H]``
+        of one source ``[..., D]`` for ``K`` queries ``[K, D]`` with gains ``[K, D]`` (or None),
+        with autograd off (a cache of values); ``prepared`` its ``prepare`` value."""
         raise NotImplementedError(f"backend {self.name!r} does not score sources ahead")
 
     def attend_scored(self, scores: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], *,

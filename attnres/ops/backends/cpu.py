@@ -42,9 +42,11 @@ class CpuOps(KeyStatisticsOps, KernelStreamOps):
     stream_kernels = cpu_streams
 
     def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-               key_norm=True, norm=None, prepared=None):
+               key_norm=True, norm=None, prepared=None, logits=None):
         """The ``torch`` backend's ``attend`` on the kernels: the same arguments and results (the
-        first output through a norm with a gain in the dtype ``rms_norm`` promotes to)."""
+        first output through a norm with a gain in the dtype ``rms_norm`` promotes to); given
+        ``logits`` (scored when the sources were written), forward, backward and the sources'
+        deferred gradients read them instead of scoring each token."""
         if torch.compiler.is_compiling():
             return attend_via_ops(queries, sources, gains, heads=heads, eps=eps, score=score,
                                   key_norm=key_norm, norm=norm, prepared=prepared)
@@ -52,7 +54,7 @@ class CpuOps(KeyStatisticsOps, KernelStreamOps):
         weight, norm_eps = (None, None) if norm is None else (norm.weight, norm.eps)
         options = ReadOptions(heads, eps, score, key_norm, norm_eps)
         *outs, lse = CpuDepthAttentionFunction.apply(queries, gains, weight, options, cached,
-                                                     *sources)
+                                                     None if logits is None else logits.detach(), *sources)
         if norm is not None:
             outs[0] = outs[0].to(out_dtype(outs[0].dtype, weight, norm_eps))
         return tuple(outs), lse
@@ -93,7 +95,7 @@ class CpuOps(KeyStatisticsOps, KernelStreamOps):
         source's dtype. Its twin is the naive backend's ``source_grad``."""
         out = kernels().cpu_source_grad(source, inv_rms, [r.queries for r in reads], [r.lse for r in reads],
                                         [r.ds for r in reads], [g for r in reads for g in r.grads], grad,
-                                        heads, score, key_norm)
+                                        heads, score, key_norm, [r.logits for r in reads])
         return out.to(source.dtype)
 
     def decode_read(self, sources, count, query, *, heads=1, eps=1e-6, score="softmax",

@@ -6,8 +6,10 @@ through their own autograd formulas and defers nothing.)
 
 What ``attend`` keeps for backward: references to the sources, their inverse RMS, ``lse``
 ``[S, ..., H]`` and, with the fused norm, one inverse RMS per token; no ``[..., D]`` tensor of its
-own (backward recomputes the first output, to rounding, when its norm needs it), and not the
-logits ``[N, S, ..., H]``, which backward computes again from the rows it reads anyway. A source
+own (backward recomputes the first output, to rounding, when its norm needs it). The logits
+``[N, S, ..., H]`` it keeps only when it was given them (scored when each source was written,
+``ops.routing``): then forward, backward and the sources' deferred gradients read them; otherwise
+each computes them again from the rows it reads anyway. A source
 that a ledger tracks gets no gradient from ``attend``'s backward: the kernel writes ``dL/d logit``
 and leaves the source a ``DeferredRead``, and ``CpuOps.source_grad`` forms the source's gradient
 once every read of it has run its backward.
@@ -44,12 +46,13 @@ class ReadOptions(NamedTuple):
 class CpuDepthAttentionFunction(torch.autograd.Function):
     """``attend`` on the kernels. Inputs: the queries ``[S, D]``, the gains ``[S, D]`` (or
     None), the norm's gain ``[D]`` (or None), ``ReadOptions``, each source's prepared inverse
-    RMS (a tuple, entries may be None: computed here), then the sources. Outputs: one
-    ``[..., D]`` tensor per query (so that each gets its own gradient, and one the caller does
-    not use costs nothing in backward), then ``lse``."""
+    RMS (a tuple, entries may be None: computed here), the logits ``[N, S, ..., H]`` scored when
+    the sources were written (or None: scored here, token by token), then the sources. Outputs:
+    one ``[..., D]`` tensor per query (so that each gets its own gradient, and one the caller
+    does not use costs nothing in backward), then ``lse``."""
 
     @staticmethod
-    def forward(ctx, queries, gains, norm_weight, options: ReadOptions, prepared: tuple, *given):
+    def forward(ctx, queries, gains, norm_weight, options: ReadOptions, prepared: tuple, logits, *given):
         dt = given[0].dtype
         ctx.source_dtypes = [v.dtype for v in given]
         sources = in_dtype(given, dt)
@@ -57,9 +60,11 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         inv_rms = [key_inverse_rms(v, r, eps) for v, r in zip(sources, prepared) if key_norm]
         qg = fold_gain(queries, gains, dt).contiguous()
         weight = None if norm_eps is None or norm_weight is None else norm_weight.to(dt)
-        outs, lse, norm_rr = kernels().cpu_attend(qg, sources, inv_rms, None, weight, norm_eps, heads, score, key_norm)
-        # the logits are not kept: backward computes them again, token by token
-        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, *inv_rms, *sources)
+        logits = None if logits is None else logits.to(dt).contiguous()
+        outs, lse, norm_rr = kernels().cpu_attend(qg, sources, inv_rms, logits, weight, norm_eps, heads, score,
+                                                  key_norm)
+        # without given logits none are kept: backward computes them again, token by token
+        ctx.save_for_backward(queries, gains, norm_weight, norm_rr, lse, logits, *inv_rms, *sources)
         ctx.options = options
         # the sources whose gradient a ledger forms: tracked by one whose reads compute as this one
         keys = dict(heads=heads, eps=eps, score=score, key_norm=key_norm)
@@ -78,9 +83,9 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
 def _depth_backward(ctx, may_defer, *grads):
     """``CpuDepthAttentionFunction``'s backward; ``may_defer``: leave the gradients of the
     sources a ledger tracks to it (not while building a graph)."""
-    queries, gains, norm_weight, norm_rr, lse, *rest = ctx.saved_tensors
+    queries, gains, norm_weight, norm_rr, lse, logits, *rest = ctx.saved_tensors
     options = ctx.options
-    queries_need, gains_need, weight_need, _, _, *sources_need = ctx.needs_input_grad
+    queries_need, gains_need, weight_need, _, _, _, *sources_need = ctx.needs_input_grad
     n = len(sources_need)
     inv_rms, sources = (rest[:n], rest[n:]) if options.key_norm else ([], rest)
     S, dt = queries.shape[0], sources[0].dtype
@@ -91,19 +96,19 @@ def _depth_backward(ctx, may_defer, *grads):
     d_qg, d_sources, d_weight, ds, g0 = kernels().cpu_attend_backward(
         g_outs, grads[S], qg, sources, inv_rms, lse, norm_weight, norm_rr, options.norm_eps, options.heads,
         options.score, options.key_norm, [need and not d for need, d in zip(sources_need, defer)],
-        queries_need or (gains is not None and gains_need), weight_need, any(defer))
+        queries_need or (gains is not None and gains_need), weight_need, any(defer), logits)
     if any(defer):
         g0 = none_if_empty(g0)
         reads_grads = (g0 if g0 is not None else g_outs[0], *g_outs[1:])
         for j in (j for j, d in enumerate(defer) if d):
             ledger, index = ctx.tracked[j]
-            ledger.defer(index, DeferredRead(qg, lse, ds[j], reads_grads))
+            ledger.defer(index, DeferredRead(qg, lse, ds[j], reads_grads, None if logits is None else logits[j]))
     d_queries = d_gains = None
     if d_qg.numel():
         d_queries, d_gains = split_query_grad(d_qg, queries, gains, queries_need, gains_need)
     d_weight = cast(none_if_empty(d_weight), None if norm_weight is None else norm_weight.dtype)
     d_sources = [cast(none_if_empty(d), t) for d, t in zip(d_sources, ctx.source_dtypes)]
-    return (d_queries, d_gains, d_weight, None, None, *d_sources)
+    return (d_queries, d_gains, d_weight, None, None, None, *d_sources)
 
 
 def merge_inputs(o1, lse1, partial, query, gain, norm_weight):

@@ -18,11 +18,14 @@ first one's):
   ``(outs, lse, norm_rr)``, ``S`` outputs ``[..., D]`` of the queries ``qg`` (the key-norm gain
   folded in) and ``lse`` ``[S, ..., H]``; with ``norm_eps`` the first output through the next
   sublayer's RMSNorm, ``norm_rr`` ``[..., 1]`` its inverse RMS. Given ``logits``
-  ``[N, S, ..., H]`` (inference), ``qg`` and ``inv_rms`` are not read.
+  ``[N, S, ..., H]`` (inference, or scored when each source was written), ``qg`` and ``inv_rms``
+  are not read.
 - ``cpu_attend_backward``: ``(d_qg, d_sources, d_weight, ds, g0)``; ``for_ledger``: also ``ds``
   ``[N, S, ..., H]``, dL/d logit per source, and ``g0`` ``[..., D]``, query 0's gradient before
-  its fused norm (``cpu_autograd``).
-- ``cpu_source_grad``: a source's gradient from the reads that deferred it to a ledger.
+  its fused norm (``cpu_autograd``); given ``logits``, the ones forward read, instead of scoring
+  each token again.
+- ``cpu_source_grad``: a source's gradient from the reads that deferred it to a ledger (given
+  each read's ``logits`` of the source, ``[S, ..., H]``, those instead of scoring again).
 - ``cpu_decode_read``: one read of a decode pass (``BackendOps.decode_read``).
 - ``cpu_merge(o1, lse1, partial, qg, norm_weight, norm_eps, heads, eps, score, key_norm, keep)``:
   ``(out, h, s2, w, r, rr)``, phase 2 of the Block computation, ``h`` ``[..., D]`` or its norm, and
@@ -121,7 +124,7 @@ def _(qg, sources, inv_rms, logits, norm_weight, norm_eps, heads, score, key_nor
 
 @fake("cpu_attend_backward")
 def _(grad_outs, grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr, norm_eps, heads, score,
-      key_norm, sources_need, qg_needs, weight_needs, for_ledger=False):
+      key_norm, sources_need, qg_needs, weight_needs, for_ledger=False, logits=None):
     norm = norm_rr is not None and norm_rr.numel() > 0
     weight_needs = weight_needs and norm and norm_weight is not None and grad_outs[0] is not None
     g0 = for_ledger and norm and grad_outs[0] is not None
@@ -133,7 +136,7 @@ def _(grad_outs, grad_lse, qg, sources, inv_rms, lse, norm_weight, norm_rr, norm
 
 
 @fake("cpu_source_grad")
-def _(source, inv_rms, queries, lse, ds, grads, grad, heads, score, key_norm):
+def _(source, inv_rms, queries, lse, ds, grads, grad, heads, score, key_norm, logits):
     return source.new_empty(source.shape, dtype=queries[0].dtype)
 
 

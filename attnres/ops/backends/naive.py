@@ -143,7 +143,7 @@ class NaiveOps(ReferenceStreamOps):
     name = "naive"
 
     def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-               key_norm=True, norm=None, prepared=None):
+               key_norm=True, norm=None, prepared=None, logits=None):
         """``S`` queries ``[S, D]`` (or per token ``[S, ..., D]``) against ``sources``:
         ``(outs, lse)``, one ``[..., D]`` per query and the log-sum-exp of each query's logits
         ``[S, ..., H]`` (zeros for the sigmoid score). ``norm`` (``weight``, ``eps``): the first

@@ -354,7 +354,7 @@ class TorchOps(KeyStatisticsOps, ReferenceStreamOps):
     name = "torch"
 
     def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-               key_norm=True, norm=None, prepared=None):
+               key_norm=True, norm=None, prepared=None, logits=None):
         """``S`` queries ``[S, D]`` against ``sources``: ``(outs, lse)``, ``outs`` one ``[..., D]``
         per query, ``lse`` ``[S, ..., H]`` (zeros for the sigmoid score), what the merge needs.
         ``prepared``: each source's inverse RMS (entries may be None; those are computed here).

@@ -298,7 +298,7 @@ class TritonOps(KernelStreamOps):
     stream_kernels = triton_streams
 
     def attend(self, queries, sources, gains=None, *, heads=1, eps=1e-6, score="softmax",
-               key_norm=True, norm=None, prepared=None):
+               key_norm=True, norm=None, prepared=None, logits=None):
         """``(outs, lse)``: ``S x [..., D]`` and ``[S, ..., H]``, as the ``torch`` backend returns
         them; the first output through ``norm`` when given (applied after the kernel). The kernels
         normalize the keys themselves: ``prepared`` is not used. The method only (softmax over

@@ -35,7 +35,8 @@ struct DepthArgs {
   const void* const* rinv;     // per source: inverse RMS per token (unused without key norm)
   const int64_t* rinv_stride;  // per source: 1, or 0
   const void* qg;              // [S, D] queries with the key-norm gain folded in
-  const void* logits;          // [N, S, T, H] precomputed (read when logits_given), or null: scored per token
+  const void* logits;          // [N, S, T, H] precomputed (read when logits_given: inference, or scored when
+                               // each source was written), or null: scored per token
   void* lse;                   // [S, T, H]
   void* const* outs;           // forward: S pointers to [T, D]
   const void* norm_w;          // [D] gain of query 0's norm, or null (no gain)
@@ -62,6 +63,7 @@ struct SourceGradArgs {
   const void* const* qg;      // per read
   const void* const* lse;     // per read
   const void* const* ds;      // per read
+  const void* const* logits;  // per read: this source's [S, T, H] logits, or null: scored again per token
   const void* const* g;       // sum of the reads' S pointers
   const void* grad_in;        // [T, D] added, or null
   void* d_src;                // [T, D] written

@@ -173,7 +173,7 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> cpu_attend_backw
     const c10::List<OptionalTensor>& grad_outs, const OptionalTensor& grad_lse, const Tensor& qg_, TensorList sources,
     TensorList inv_rms, const Tensor& lse_, const OptionalTensor& norm_weight, const OptionalTensor& norm_rr_,
     std::optional<double> norm_eps, int64_t heads, c10::string_view score, bool key_norm,
-    c10::List<bool> sources_need, bool qg_needs, bool weight_needs, bool for_ledger) {
+    c10::List<bool> sources_need, bool qg_needs, bool weight_needs, bool for_ledger, const OptionalTensor& logits) {
   const Tensor& first = sources[0];
   const at::ScalarType dt = first.scalar_type();
   const Tensor qg = qg_.contiguous(), lse = lse_.contiguous();
@@ -195,8 +195,10 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> cpu_attend_backw
   const Tensor d_qg = qg_needs ? at::zeros({n_threads, S, D}, qg.options()) : Tensor();
   const Tensor d_norm_w = weight_needs ? at::zeros({n_threads, D}, qg.options()) : Tensor();
   const Tensor g_lse = prepared(given(grad_lse), dt);
+  const Tensor scores = prepared(given(logits), dt);  // [N, S, ..., H] as forward read them, or undefined
   const SourceRows rows = source_rows(sources, inv_rms, key_norm);
   DepthArgs a = depth_args(rows, first, qg, lse, heads, score, key_norm);
+  a.logits = ptr(scores), a.logits_given = scores.defined();
   a.g_out = g_ptrs.data(), a.g_lse = ptr(g_lse), a.d_src = d_ptrs.data();
   a.d_qg = ptr(d_qg), a.d_norm_w = ptr(d_norm_w);
   if (norm_rr.defined()) a.norm_w = ptr(weight), a.norm_rr = norm_rr.data_ptr(), a.norm_eps = norm_eps.value();
@@ -215,19 +217,23 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor, Tensor> cpu_attend_backw
 
 Tensor cpu_source_grad(const Tensor& source, const OptionalTensor& inv_rms, TensorList queries_, TensorList lse_,
                        TensorList ds_, const c10::List<OptionalTensor>& grads_, const OptionalTensor& grad,
-                       int64_t heads, c10::string_view score, bool key_norm) {
+                       int64_t heads, c10::string_view score, bool key_norm,
+                       const c10::List<OptionalTensor>& logits_) {
   const at::ScalarType dt = queries_[0].scalar_type();
   const int64_t D = source.size(-1);
   const auto [v, v_stride] = as_rows(source.to(dt), D);
   const auto [rinv, rinv_stride] = key_norm ? as_rows(given(inv_rms).to(dt), 1) : std::pair<Tensor, int64_t>{};
   std::vector<Tensor> keep;
   std::vector<int64_t> n_q;
-  std::vector<const void*> queries, lse, ds, grads;
+  std::vector<const void*> queries, lse, ds, grads, logits;
+  TORCH_CHECK(logits_.size() == 0 || logits_.size() == queries_.size(),
+              "attnres::cpu_source_grad: logits for ", logits_.size(), " of ", queries_.size(), " reads");
   for (size_t i = 0; i < queries_.size(); ++i) {
     keep.push_back(prepared(queries_[i], dt)), queries.push_back(keep.back().data_ptr());
     n_q.push_back(queries_[i].size(0));
     keep.push_back(prepared(lse_[i], dt)), lse.push_back(keep.back().data_ptr());
     keep.push_back(prepared(ds_[i], dt)), ds.push_back(keep.back().data_ptr());
+    if (logits_.size()) keep.push_back(prepared(given(logits_.get(i)), dt)), logits.push_back(ptr(keep.back()));
   }
   for (size_t i = 0; i < grads_.size(); ++i) keep.push_back(prepared(given(grads_.get(i)), dt)), grads.push_back(ptr(keep.back()));
   const Tensor grad_in = prepared(given(grad), dt);
@@ -236,6 +242,7 @@ Tensor cpu_source_grad(const Tensor& source, const OptionalTensor& inv_rms, Tens
   a.tokens = out.numel() / D, a.dim = D, a.heads = heads, a.n_reads = static_cast<int64_t>(queries.size());
   a.src = v.data_ptr(), a.src_stride = v_stride, a.rinv = ptr(rinv), a.rinv_stride = rinv_stride;
   a.n_q = n_q.data(), a.qg = queries.data(), a.lse = lse.data(), a.ds = ds.data(), a.g = grads.data();
+  a.logits = logits.empty() ? nullptr : logits.data();
   a.grad_in = ptr(grad_in), a.d_src = out.data_ptr(), a.sigmoid = sigmoid_score(score), a.threads = threads();
   with_type(dt, "cpu_source_grad", [&](auto f) { attnres::cpu::source_grad<decltype(f)>(a); });
   return out;
@@ -527,10 +534,10 @@ TORCH_LIBRARY(attnres, m) {
         "float? norm_eps, int heads, str score, bool key_norm) -> (Tensor[] outs, Tensor lse, Tensor norm_rr)");
   m.def("cpu_attend_backward(Tensor?[] grad_outs, Tensor? grad_lse, Tensor qg, Tensor[] sources, Tensor[] inv_rms, "
         "Tensor lse, Tensor? norm_weight, Tensor? norm_rr, float? norm_eps, int heads, str score, bool key_norm, "
-        "bool[] sources_need, bool qg_needs, bool weight_needs, bool for_ledger=False) "
+        "bool[] sources_need, bool qg_needs, bool weight_needs, bool for_ledger=False, Tensor? logits=None) "
         "-> (Tensor d_qg, Tensor[] d_sources, Tensor d_weight, Tensor ds, Tensor g0)");
   m.def("cpu_source_grad(Tensor source, Tensor? inv_rms, Tensor[] queries, Tensor[] lse, Tensor[] ds, "
-        "Tensor?[] grads, Tensor? grad, int heads, str score, bool key_norm) -> Tensor");
+        "Tensor?[] grads, Tensor? grad, int heads, str score, bool key_norm, Tensor?[] logits) -> Tensor");
   m.def("cpu_decode_read(Tensor sources, int count, Tensor query, int heads, float eps, str score, bool key_norm, "
         "Tensor? base, float gate, Tensor? norm_weight, float? norm_eps) -> Tensor");
   m.def("cpu_merge(Tensor o1, Tensor lse1, Tensor partial, Tensor qg, Tensor? norm_weight, float? norm_eps, "

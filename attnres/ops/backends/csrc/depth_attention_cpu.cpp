@@ -162,6 +162,13 @@ void token_logits(const DepthArgs& a, int64_t t, F* lg) {
   }
 }
 
+// The logits lg[k * H + h] of token t from precomputed ones given [K, T, H] (K = N * S rows).
+template <typename F>
+inline void given_logits(const F* given, int64_t K, int64_t T, int64_t H, int64_t t, F* lg) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t h = 0; h < H; ++h) lg[k * H + h] = given[(k * T + t) * H + h];
+}
+
 // The softmax (or sigmoid) weights p[(j * S + s) * H + h] of token t from its logits lg (same
 // layout), and lse[s,h]. One exponential per logit: p = exp(l - m) / sum_j exp(l_j - m), as a
 // decode read computes it; backward forms p again as exp(l - lse), equal to rounding.
@@ -272,12 +279,10 @@ void forward(const DepthArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       token_rows<F>(a, t, rows.data());
-      if (given) {  // precomputed [N, S, T, H] (inference)
-        for (int64_t j = 0; j < N * S; ++j)
-          for (int64_t h = 0; h < H; ++h) lg[j * H + h] = given[(j * T + t) * H + h];
-      } else {
+      if (given)  // precomputed [N, S, T, H]: for inference, or when each source was written
+        given_logits(given, N * S, T, H, t, lg.data());
+      else
         token_logits<F>(a, t, lg.data());
-      }
       weights<F>(a, lg.data(), static_cast<F*>(a.lse), t, p.data());
       for (int64_t s = 0; s < S; ++s) mix_row<F>(a, rows.data(), p.data(), s, static_cast<F*>(a.outs[s]) + t * D);
       if (norm_rr) {  // query 0's output through RMSNorm, in place
@@ -291,6 +296,7 @@ void forward(const DepthArgs& a) {
 template <typename F>
 void backward(const DepthArgs& a) {
   const int64_t T = a.tokens, D = a.dim, N = a.n_src, S = a.n_q, H = a.heads, dh = D / H;
+  const F* given = a.logits_given ? static_cast<const F*>(a.logits) : nullptr;
   const F* lse = static_cast<const F*>(a.lse);
   const F* g_lse = static_cast<const F*>(a.g_lse);
   const F* qg = static_cast<const F*>(a.qg);
@@ -307,7 +313,10 @@ void backward(const DepthArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       token_rows<F>(a, t, rows.data());
-      token_logits<F>(a, t, lg.data());
+      if (given)  // scored when each source was written: the logits forward read
+        given_logits(given, N * S, T, H, t, lg.data());
+      else
+        token_logits<F>(a, t, lg.data());
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < H; ++h)
           for (int64_t j = 0; j < N; ++j) {
@@ -379,9 +388,9 @@ void backward(const DepthArgs& a) {
 // instead of this source's gradient, ops/source_ledger.py): per token, the terms the backward
 // above adds to dv_j, summed over the reads,
 //   dv = grad_in + sum_{read, s, h} (r ds qg_s[h] + p g_s[h]) + coef v,  coef = -(r^2 / D) sum ds logit,
-// with the logit and p recomputed as the read computed them. Layouts per read: qg [S, D]; this
-// source's ds [S, T, H]; lse [S, T, H]; S pointers to dL/d(output s) [T, D] (null
-// where unused), the reads' pointers one after another.
+// with the logit and p as the read had them (given, or computed again). Layouts per read: qg
+// [S, D]; this source's ds [S, T, H]; lse [S, T, H]; its logits [S, T, H] (or null); S pointers
+// to dL/d(output s) [T, D] (null where unused), the reads' pointers one after another.
 template <typename F>
 void source_grad(const SourceGradArgs& a) {
   const int64_t T = a.tokens, D = a.dim, H = a.heads, dh = D / H;
@@ -404,6 +413,7 @@ void source_grad(const SourceGradArgs& a) {
         const F* qg = static_cast<const F*>(a.qg[i]);
         const F* lse = static_cast<const F*>(a.lse[i]);
         const F* ds = static_cast<const F*>(a.ds[i]);
+        const F* given = a.logits ? static_cast<const F*>(a.logits[i]) : nullptr;
         for (int64_t s = 0; s < a.n_q[i]; ++s, ++q) {
           const F* g = static_cast<const F*>(a.g[q]);
           F* wq = &w[n * H];
@@ -412,7 +422,8 @@ void source_grad(const SourceGradArgs& a) {
           if (g) x[n++] = g + t * D;
           for (int64_t h = 0; h < H; ++h) {
             const int64_t k = (s * T + t) * H + h;
-            const F logit = head_logit(qg + s * D, v, r, h, dh);  // as the read computed it
+            // as the read had it: given (scored when the source was written), or computed again
+            const F logit = given ? given[k] : head_logit(qg + s * D, v, r, h, dh);
             wq[h] = r * ds[k];
             if (wg) wg[h] = a.sigmoid ? sigmoid(logit) : std::exp(logit - lse[k]);
             coef += ds[k] * logit;
