@@ -19,15 +19,17 @@ PIP_INSTALL := -m pip install --quiet --retries 1
 
 # `make setup`: .venv/ anew (--clear: nothing of an earlier set-up that the lock no longer holds
 # stays), the lock with every hash checked (--no-deps: the lock is complete, and pip resolves
-# nothing of its own), then attnres itself without dependencies. The stamp is renewed when the
-# lock, pyproject.toml or this file changes; after a change of pyproject.toml's dependencies,
-# `make lock` first.
+# nothing of its own), then attnres itself without dependencies, then the default corpus
+# (`attnres corpus`: its nine sdists downloaded by pip with their hashes required, once per
+# machine, into ~/.cache/attnres/corpora). The stamp is renewed when the lock, pyproject.toml or
+# this file changes; after a change of pyproject.toml's dependencies, `make lock` first.
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) $(PIP_INSTALL) --require-hashes --no-deps -r $(LOCK)
 	$(PY) $(PIP_INSTALL) --no-deps -e .
+	$(VENV)/bin/attnres corpus
 	touch $(STAMP)
 
 # Two workers (pytest-xdist), one thread each (tests/conftest.py); the tests that share a
