@@ -158,7 +158,7 @@ def _header(c: Comparison) -> list[str]:
         "# Residual designs compared",
         "",
         *_incomplete_section(c),
-        f"Data: {first['summary']['data']}. {_tokens_text(c)}",
+        f"Data: {first['summary']['data']}{_digest_text(first['summary'])}. {_tokens_text(c)}",
         f"{model} Seeds: {', '.join(map(str, c.seeds))}. "
         f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
@@ -197,10 +197,18 @@ def _machines_note(c: Comparison) -> list[str]:
         "only: a paired difference whose two runs ran on different machines holds the machines' difference too.", ""]
 
 
+def _digest_text(summary: dict) -> str:
+    """`` (data_sha256 X)`` for a run that recorded the digest of the tokens it read, else ''."""
+    digest = summary.get("data_sha256")
+    return f" (`data_sha256` {digest})" if digest else ""
+
+
 def _data_note(c: Comparison) -> list[str]:
-    """When the runs read different tokens (``summary.json``'s ``data_sha256``: the standard
-    library's corpus is each machine's interpreter's), which read which: their pairs then differ
-    by their data too. Runs from before the digest was recorded are left out."""
+    """When the runs read different tokens (``summary.json``'s ``data_sha256``: a named corpus
+    reads the same bytes everywhere, but ``data.source=stdlib`` is each machine's interpreter's
+    library, and a comparison continued with ``--allow-mixed-data`` may hold both), which read
+    which: their pairs then differ by their data too. Runs from before the digest was recorded
+    are left out."""
     read = _runs_by(c, lambda summary: summary.get("data_sha256"))
     if len(read) < 2:
         return []
