@@ -252,8 +252,8 @@ def _epsilon_note(c: Comparison) -> list[str]:
         return []
     at = "; ".join(f"{eps}: {', '.join(dict.fromkeys(names))}" for eps, names in ran.items())
     return ["", f"Epsilon (`model.norm_eps`) by design: {at}. No one value compares every design at its best at "
-                "the study's size (docs/RESULTS.md, \"Epsilon for every design\"): at the default 1e-6 the AttnRes "
-                "designs' reads are damped early (Full ends 0.058 and Block 0.025 nats worse than at 1e-12, resolved "
+                "the study's size on the standard library corpus (docs/RESULTS.md, \"Epsilon for every design\"): at "
+                "the default 1e-6 the AttnRes designs' reads are damped early (Full ends 0.058 and Block 0.025 nats worse than at 1e-12, resolved "
                 "over six seeds), and at 1e-12 HC, mHC, GR and Delta end worse on the mean (+0.012 to +0.047 nats over "
                 "three seeds, not resolved). Compare Block, MHAR and Full at `norm_eps=1e-12` "
                 "(`full:norm_eps=1e-12`) and the other designs at the default.", ""]
