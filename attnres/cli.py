@@ -110,8 +110,14 @@ def _add_compare(sub) -> None:
                    help="continue a comparison that was stopped, where it stopped, with its own "
                         "settings (given alone: its finished runs are kept, the others continue "
                         "from their checkpoints)")
+    _add_source(p, "--resume COMPARISON_DIR: the new place of the folder a comparison --from started from")
     _add_allow_mixed_data(p, "comparison")
     p.set_defaults(fn=commands.cmd_compare, loads=("attnres.train.compare",))
+
+
+def _add_source(p, what: str) -> None:
+    p.add_argument("--source", metavar="DIR",
+                   help=f"with {what} (moved since: its files must be the ones recorded, init_from_digest)")
 
 
 def _add_allow_mixed_data(p, what: str) -> None:
@@ -153,6 +159,7 @@ def _add_train(sub) -> None:
     p.add_argument("--from", dest="init_from", metavar="MODEL_DIR",
                    help="continue training the model of a Hugging Face folder (attnres convert or export, or a "
                         "Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder); the preset gives optim, run and data")
+    _add_source(p, "--resume: the new place of the folder the run started from (--from)")
     p.set_defaults(fn=commands.cmd_train, loads=("attnres.train.trainer",))
 
 
@@ -195,6 +202,7 @@ def _add_export(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an output folder that is not empty")
     p.add_argument("--format", choices=("attnres", "llama"), default="attnres",
                    help="attnres's own classes (default), or a PreNorm run as a plain LlamaForCausalLM folder")
+    _add_source(p, "a run trained --from a folder: the new place of that folder")
     p.set_defaults(fn=commands.cmd_export, loads=("attnres.hf.export",))
 
 

@@ -118,25 +118,37 @@ def comparison_settings(args, init_from: Path | None = None):
 
 def folder_comparison_settings(args, cfg):
     """What ``compare --from`` adds to a comparison, checked before any work: the run config
-    logging each of the first ``--shock-steps`` steps (all of them when the run has fewer), the
-    folders' models (``hf.training.ComparisonFolders``), and ``compare.json``'s ``downstream``
-    (``--tasks``, known to lm-eval, with ``--include-path`` and ``--limit``)."""
+    logging each of the first ``--shock-steps`` steps (all of them when the run has fewer) and
+    recording the source folder's digest, the folders' models (``hf.training.ComparisonFolders``),
+    and ``compare.json``'s ``downstream`` (``--tasks``, known to lm-eval, with ``--include-path``
+    and ``--limit``, which apply with it only; ``complete`` once every run is evaluated)."""
     import dataclasses
-
-    from .hf.training import ComparisonFolders
 
     if args.shock_steps < 1:
         raise ValueError(f"--shock-steps {args.shock_steps} must be a positive number of steps")
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_first=min(args.shock_steps, cfg.run.steps)))
     extra = {}
-    if args.tasks:
-        from .hf.evaluate import task_manager
-
+    if not args.tasks:
+        given = given_settings(args.argv[1:], ("--include-path", "--limit"))
+        if given:
+            raise ValueError(f"{given[0]} applies to the evaluation on --tasks; give --tasks TASK ... or leave "
+                             f"{given[0]} out")
+    else:
         if args.limit is not None and not args.limit > 0:
             raise ValueError(f"--limit {args.limit} must be a positive number of items per task, or a fraction in (0, 1)")
-        task_manager(args.tasks, args.include_path)
-        extra["downstream"] = dict(tasks=list(args.tasks), include_path=args.include_path, limit=args.limit)
-    return cfg, ComparisonFolders(args.init_from), extra
+        from .eval_tasks import check_tasks
+
+        check_tasks(args.tasks, args.include_path)  # before lm-eval loads: a missing folder, an unknown name
+        from .hf.evaluate import check_known_tasks
+
+        check_known_tasks(args.tasks, args.include_path)
+        extra["downstream"] = dict(tasks=list(args.tasks), include_path=args.include_path, limit=args.limit,
+                                   complete=False)
+    from .hf.training import ComparisonFolders
+
+    folders = ComparisonFolders(args.init_from)
+    cfg = dataclasses.replace(cfg, init_from_digest=folders.digest,
+                              run=dataclasses.replace(cfg.run, log_first=min(args.shock_steps, cfg.run.steps)))
+    return cfg, folders, extra
 
 
 def refuse_mixed_data_without_resume(args, what: str) -> None:
@@ -146,8 +158,32 @@ def refuse_mixed_data_without_resume(args, what: str) -> None:
                          f"runs read other data); a new {what} reads one corpus: leave it out")
 
 
+def resumed_comparison_source(args, root: Path, index: dict):
+    """The ``ComparisonFolders`` of a comparison --from a folder resumed from ``root`` (None for
+    a comparison of attnres's own designs): its source folder checked against the digest the
+    comparison recorded (``source_digest.check_source``), or its new place ``--source``, which is
+    then recorded in ``compare.json``."""
+    from .train.compare import repoint_source, saved_config
+
+    if not index.get("init_from"):
+        if args.source:
+            raise ValueError(f"--source gives the new place of the folder a comparison --from a folder started from; "
+                             f"{root} compares attnres's own designs: leave it out")
+        return None
+    from .hf.training import ComparisonFolders
+    from .train.source_digest import check_source
+
+    base = saved_config(root, index)
+    checked = check_source(base, f"the comparison's source (init_from in {root / 'compare.json'})",
+                           f"attnres compare --resume {root} --source DIR",
+                           "a new comparison (attnres compare --from MODEL_DIR)", args.source)
+    if checked.init_from != base.init_from:
+        repoint_source(root, index, checked.init_from)
+    return ComparisonFolders(checked.init_from)
+
+
 def cmd_compare(args) -> int:
-    from .train.compare import resume_comparison, run_comparison
+    from .train.compare import ComparisonOutcome, resume_comparison, run_comparison
 
     refuse_mixed_data_without_resume(args, "comparison")
     if args.resume:
@@ -156,20 +192,22 @@ def cmd_compare(args) -> int:
             raise ValueError("--resume continues the comparison with the settings it was started "
                              f"with; leave out {' '.join(given)}")
         from .analysis.comparison import load_index
-        from .train.compare import ComparisonOutcome
 
         root = Path(args.resume)
-        index, folders = load_index(root), None
+        index = load_index(root)
+        folders = resumed_comparison_source(args, root, index)
         downstream = index.get("downstream")
-        if index.get("init_from"):  # a comparison --from a folder: its models, read by the hf layer
-            from .hf.training import ComparisonFolders
-
-            folders = ComparisonFolders(index["init_from"])
         if index.get("complete") and downstream:  # trained: only its evaluation may be left
+            if downstream.get("complete"):
+                raise ValueError(f"the comparison in {root} is complete, its evaluation too: nothing to resume "
+                                 f"(`attnres report {root}` rebuilds its report)")
             outcome = ComparisonOutcome(root / "report.md")
         else:
             outcome = resume_comparison(root, folders=folders, allow_mixed_data=args.allow_mixed_data)
     else:
+        if args.source:
+            raise ValueError("--source gives the new place of the folder a comparison --from a folder started from, "
+                             "with --resume COMPARISON_DIR; a new comparison names its folder with --from")
         given = given_settings(args.argv[1:], FOLDER_COMPARISON_SETTINGS)
         if given and not args.init_from:
             raise ValueError(f"{given[0]} applies to a comparison --from a model folder (the conversion against "
@@ -183,22 +221,17 @@ def cmd_compare(args) -> int:
                                  overrides=overrides, baseline=args.baseline,
                                  command=["attnres", *args.argv], budgets=args.budgets, folders=folders, extra=extra)
         downstream = extra.get("downstream")
-    if downstream and outcome.signal is None:
-        from .analysis.comparison import load_index
-        from .analysis.report import write_report
-        from .hf.downstream import evaluate_comparison
+    if downstream:  # evaluated once trained; a signal stops it too (compare.json's downstream says what is left)
+        from .hf.downstream import evaluate_pending
 
-        root = outcome.report.parent
-        if load_index(root).get("complete"):
-            evaluate_comparison(root, **downstream)
-            write_report(root)
+        outcome = ComparisonOutcome(outcome.report, evaluate_pending(outcome.report.parent, outcome.signal))
     print(outcome.report)
     return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 
 
 def cmd_sweep(args) -> int:
     from .train.signals import exit_status
-    from .train.sweep import Sweep, parse_over, resume_sweep, run_sweep
+    from .train.sweep import Sweep, check_not_set, parse_over, resume_sweep, run_sweep
 
     refuse_mixed_data_without_resume(args, "sweep")
     if args.resume:
@@ -209,6 +242,7 @@ def cmd_sweep(args) -> int:
         root, signal = resume_sweep(Path(args.resume), allow_mixed_data=args.allow_mixed_data)
     else:
         fields = parse_over(args.over or [])
+        check_not_set(fields, ([f"data.source={args.data}"] if args.data else []) + list(args.set or []))
         cfg, designs, seeds, overrides = comparison_settings(args)
         sweep = Sweep(cfg, fields, designs, seeds, overrides, args.baseline, args.budgets, ["attnres", *args.argv])
         root, signal = run_sweep(sweep, args.out)
@@ -242,7 +276,10 @@ def cmd_train(args) -> int:
         raise ValueError("--resume continues the run in --run-dir and --overwrite starts it over: give one")
     if args.resume and args.init_from:
         raise ValueError("--from starts a run from a model folder and --resume continues a run, which knows its "
-                         "folder: give one")
+                         "folder (give its new place with --source DIR if it moved): give one")
+    if args.source and not args.resume:
+        raise ValueError("--source gives the new place of the folder a run started from, to continue it with --resume "
+                         "--run-dir RUN; a new run names its folder with --from")
     if args.resume:
         if not args.run_dir:
             raise ValueError("--resume continues the run in --run-dir: give its folder")
@@ -260,9 +297,20 @@ def cmd_train(args) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else None
     folder = None
     if cfg.init_from is not None:  # the folder's model, read by the layer that knows its format
-        from .hf.training import folder_model, saved_init_from
+        import dataclasses
 
+        from .hf.training import folder_model, saved_init_from
+        from .train.source_digest import check_source
+
+        if args.resume:  # the folder the run started from, as it was (or moved: --source)
+            cfg = check_source(cfg, saved_init_from(run_dir), f"attnres train --resume --run-dir {run_dir} --source DIR",
+                               "a new run (attnres train --from MODEL_DIR --run-dir NEW_RUN)", args.source)
         folder = folder_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
+        if not args.resume:  # the run records what it starts from
+            cfg = dataclasses.replace(cfg, init_from_digest=folder.digest)
+    elif args.source:
+        raise ValueError(f"--source gives the new place of the folder a run started from (train --from); "
+                         f"{run_dir} built its own model: leave --source out")
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second
@@ -347,8 +395,10 @@ def cmd_report(args) -> int:
 def cmd_convert(args) -> int:
     from .hf import convert_checkpoint
 
+    given = given_settings(args.argv[1:], ("--heads", "--block-layers"))
+    defaulted = [name for name, option in (("heads", "--heads"), ("block_layers", "--block-layers")) if option not in given]
     info = convert_checkpoint(args.src, args.dst, heads=args.heads, block_layers=args.block_layers,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, defaulted=defaulted)
     share = 100 * info["added_parameters"] / info["base_parameters"]
     print(f"converted to {info['model_type']}: added {info['added_parameters']:,} routing parameters "
           f"({share:.4f}% of {info['base_parameters']:,}); saved to {args.dst}")
@@ -358,7 +408,7 @@ def cmd_convert(args) -> int:
 def cmd_export(args) -> int:
     from .hf.export import export_run
 
-    info = export_run(args.run_dir, args.out, overwrite=args.overwrite, format=args.format)
+    info = export_run(args.run_dir, args.out, overwrite=args.overwrite, format=args.format, source=args.source)
     print(f"exported step {info['step']} ({info['parameters']:,} parameters) of {args.run_dir} to {args.out}")
     return 0
 
@@ -368,6 +418,7 @@ def check_eval_folder(model_dir) -> None:
     with a ``config.json`` of a saved model; a training run's folder is pointed to ``attnres
     export``, which writes the folder eval reads."""
     from .files import read_json
+    from .train.run_dir import is_run_config
 
     path = Path(model_dir)
     if not path.is_dir():
@@ -376,7 +427,7 @@ def check_eval_folder(model_dir) -> None:
     if not config.is_file():
         raise ValueError(f"{path} is not a saved model folder (config.json missing)")
     value = read_json(config)
-    if isinstance(value, dict) and {"model", "data", "optim", "run"} <= set(value):
+    if is_run_config(value):
         raise ValueError(f"{path} is a training run's folder; `attnres export {path} OUT` writes its latest "
                          f"checkpoint as the model folder that eval reads")
 
@@ -388,6 +439,9 @@ def cmd_eval(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"batch_size={args.batch_size} must be >= 1")
     check_eval_folder(args.model_dir)  # all before lm-eval and transformers load
+    from .eval_tasks import check_tasks
+
+    check_tasks(args.tasks, args.include_path)
     from .hf.evaluate import evaluate
 
     results = evaluate(args.model_dir, args.tasks, include_path=args.include_path, limit=args.limit,

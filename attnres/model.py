@@ -32,12 +32,27 @@ from .moe import ExpertStats, MoE, SwiGLU
 from .streams import Stream, Trace, build_stream
 
 
+#: positions whose rotary angles are computed at once (in float64: a block's temporaries, not
+#: the whole context's, which for a long ``max_seq_len`` would be several times the tables)
+ROPE_BLOCK = 1 << 16
+
+
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[max_len, head_dim]`` for the rotate-half RoPE convention (fp32)."""
+    """cos and sin ``[max_len, head_dim]`` for the rotate-half RoPE convention (fp32), computed
+    in float64 ``ROPE_BLOCK`` positions at a time into the tables (the same values as at once):
+    building them takes about their own memory. On the meta device nothing is computed."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [T, hd/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, hd]
-    return angles.cos().float(), angles.sin().float()
+    cos = torch.empty(max_len, head_dim, dtype=torch.float32)
+    sin = torch.empty(max_len, head_dim, dtype=torch.float32)
+    if cos.is_meta:
+        return cos, sin
+    for start in range(0, max_len, ROPE_BLOCK):
+        end = min(start + ROPE_BLOCK, max_len)
+        angles = torch.outer(torch.arange(start, end, dtype=torch.float64), inv_freq)  # [t, hd/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [t, hd]
+        cos[start:end] = angles.cos()
+        sin[start:end] = angles.sin()
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -296,17 +296,22 @@ def test_convert_never_harms_its_source(tmp_path):
 
 
 def test_convert_refuses_a_folder_that_holds_files_unless_told(tmp_path):
+    """A model folder is refused unless ``--overwrite``, which replaces it whole (no mix of two
+    folders' files); a folder holding a file of somebody's is refused even with it."""
     src, _ = saved_source(tmp_path)
     dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "notes.txt").write_text("somebody's file")
+    assert run_convert(src, dst).returncode == 0
+    (dst / "model.safetensors").write_bytes(b"an older conversion")
     proc = run_convert(src, dst)
-    assert proc.returncode == 2 and "exists and is not empty; pass --overwrite" in proc.stderr
-    assert [p.name for p in dst.iterdir()] == ["notes.txt"]
-    proc = run_convert(src, dst, "--overwrite")  # replaced whole: no mix of two folders' files
+    assert proc.returncode == 2 and "exists and is not empty (a model folder); pass --overwrite" in proc.stderr
+    proc = run_convert(src, dst, "--overwrite")
     assert proc.returncode == 0, proc.stderr
-    assert not (dst / "notes.txt").exists() and (dst / "config.json").exists()
+    assert (dst / "model.safetensors").read_bytes() != b"an older conversion" and (dst / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    (dst / "notes.txt").write_text("somebody's file")
+    proc = run_convert(src, dst, "--overwrite")
+    assert proc.returncode == 2 and "holds files export and convert do not write (notes.txt)" in proc.stderr
+    assert (dst / "notes.txt").read_text() == "somebody's file"
 
 
 def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
@@ -317,7 +322,7 @@ def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, mo
     src, _ = saved_source(tmp_path)
     dst = tmp_path / "dst"
     dst.mkdir()
-    (dst / "old.txt").write_text("the previous model")
+    (dst / "config.json").write_text(json.dumps({"model_type": "llama", "note": "the previous model"}))
 
     def failing_copy(*args, **kwargs):
         raise OSError("disk full")
@@ -325,7 +330,8 @@ def test_an_interrupted_conversion_leaves_the_destination_as_it_was(tmp_path, mo
     monkeypatch.setattr(convert_module.shutil, "copy2", failing_copy)  # fails after the weights are written
     with pytest.raises(OSError, match="disk full"):
         convert_module.convert_checkpoint(src, dst, heads=4, block_layers=2, overwrite=True)
-    assert [p.name for p in dst.iterdir()] == ["old.txt"]
+    assert [p.name for p in dst.iterdir()] == ["config.json"]  # the lock file it held is gone too
+    assert json.loads((dst / "config.json").read_text())["note"] == "the previous model"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no half-written folder beside it
 
 

@@ -265,7 +265,8 @@ def test_export_refuses_a_vocabulary_the_byte_tokenizer_does_not_cover(tmp_path)
 def test_a_signal_while_writing_leaves_no_partial_folder(run, source, tmp_path, command, sig):
     """SIGINT or SIGTERM while ``export`` or ``convert`` writes: its temporary folder is removed
     and the command exits 130 or 143 (was: 143 and a hidden partial folder beside the output);
-    a temporary folder a SIGKILL left is removed by the next write to the same destination."""
+    a temporary folder a SIGKILL left is removed by the next write to the same destination, which
+    takes the lock file the killed one left in it, as a run does."""
     dst = tmp_path / "out"
     env = {**os.environ, "ATTNRES_PAUSE_AT": "written"}
     proc = subprocess.Popen([sys.executable, "-m", "attnres", *map(str, _write(command, run, source, dst))],
@@ -282,8 +283,8 @@ def test_a_signal_while_writing_leaves_no_partial_folder(run, source, tmp_path, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if sig == signal.SIGKILL:
-        assert len(list(tmp_path.iterdir())) == 1  # the killed write's folder
+    if sig == signal.SIGKILL:  # the killed write's folder, and the destination holding only the lock it took
+        assert len(list(tmp_path.iterdir())) == 2 and [p.name for p in dst.iterdir()] == [".lock"]
         done = cli_in_process(*_write(command, run, source, dst))
         assert done.returncode == 0, done.stderr
         assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -163,7 +163,7 @@ def test_a_run_whose_source_folder_moved_names_its_saved_init_from(trained, tmp_
     (run_dir / "config.json").write_text(json.dumps(config))
     for args in (("export", run_dir, tmp_path / "out"), ("train", "--resume", "--run-dir", run_dir)):
         result = cli_in_process(*args)
-        assert result.returncode != 0 and "--from" not in result.stderr, result.stderr
+        assert result.returncode != 0 and f"--from {tmp_path / 'moved'}" not in result.stderr, result.stderr
         assert f"the run's init_from ({run_dir / 'config.json'}) {tmp_path / 'moved'}: not a model folder" in result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -15,8 +15,8 @@ import shlex
 # the comparison's reading is imported from here too (train/compare.py, studies/)
 from .comparison import (SUMMARY_FIELDS, Comparison, by_design, choose_baseline, comparison_results,  # noqa: F401
                          label_path, load_comparison, load_index, load_runs, metric_fields, run_name, val_curve)
-from .figures import (plot_budget_curve, plot_depth_weights, plot_expert_load, plot_first_steps, plot_loss_curves,
-                      plot_per_depth, pyplot)
+from .conversion_report import downstream_section, shock_section
+from .figures import plot_budget_curve, plot_depth_weights, plot_expert_load, plot_loss_curves, plot_per_depth, pyplot
 
 
 def check_report_dependencies(seeds: int) -> None:
@@ -130,7 +130,11 @@ def _incomplete_section(c: Comparison) -> list[str]:
     lines = [f"**This comparison is incomplete**: {why}. Not finished:", "",
              *(f"- {m}" for m in c.results["missing"]), ""]
     seeds, planned = c.results["seeds"], ", ".join(map(str, c.index["seeds"]))
-    if seeds:
+    if seeds and len(seeds) == len(c.index["seeds"]):  # only the baseline's runs at larger budgets are missing
+        lines.append(f"Every design finished every seed ({planned}): the table below is whole. What is missing "
+                     "are the baseline's runs at larger budgets; the multipliers use only the seeds whose runs at "
+                     "every budget finished.")
+    elif seeds:
         lines.append("The numbers below use only complete pairs: the seeds that every design "
                      f"finished ({', '.join(map(str, seeds))} of {planned}); the runs of the other "
                      "seeds are left out.")
@@ -323,6 +327,14 @@ def _budget_section(c: Comparison, plt) -> list[str]:
     if not budgets or len(budgets) < 2:
         return []
     base = c.index["baseline"]
+    measured = {name: e["compute_equivalent"] for name, e in c.results["designs"].items() if "compute_equivalent" in e}
+    if not measured:  # no seed's curve is whole: a table and a figure would be empty
+        runs = [m for m in c.results["missing"] if m.startswith(f"{base}@x")]
+        return ["## Compute-equivalent multiplier", "",
+                f"No multiplier yet: {base}'s curve of final loss against budget needs, for a seed, its runs at "
+                f"every budget ({', '.join(f'{b:g}' for b in budgets)}), and no seed has them all"
+                + (f" ({'; '.join(runs)})" if runs else "") + ".", ""]
+    used = sorted(next(iter(measured.values()))["per_seed"], key=int)
     plot_budget_curve(plt, c.results, base, c.root / "budget.png")
     lines = ["## Compute-equivalent multiplier", "",
              f"{base} also trained at {', '.join(f'{b:g}' for b in budgets)} times the budget (its runs "
@@ -330,7 +342,10 @@ def _budget_section(c: Comparison, plt) -> list[str]:
              f"{base}'s final loss reaches the design's, interpolated in log budget per seed; the geometric mean "
              "over seeds with a 95% Student-t interval on the log scale (`attnres/analysis/budget.py`). In wall-clock "
              "terms each budget is scaled by the design's step time relative to the baseline's, timed interleaved "
-             "before training; those figures hold only on a quiet machine.", "",
+             "before training; those figures hold only on a quiet machine."
+             + ("" if len(used) == len(c.results["seeds"]) else
+                f" The multipliers use seed{'s' * (len(used) > 1)} {', '.join(used)}, whose runs at every budget "
+                f"finished; the table above uses {', '.join(map(str, c.results['seeds']))}."), "",
              "| design | multiplier | 95% interval | in wall-clock terms | 95% interval | step time vs baseline |",
              "|---|---|---|---|---|---|"]
     for name, e in c.results["designs"].items():
@@ -346,54 +361,6 @@ def _budget_section(c: Comparison, plt) -> list[str]:
         lines.append(f"| {name} | {ce['budget']:.3f} | {_fmt_interval(ce['ci95'])} | {time} | "
                      f"{_fmt_interval(ce['time_ci95'])} | {step} |")
     return [*lines, "", "![final loss against budget](budget.png)", ""]
-
-
-def _shock_section(c: Comparison, plt) -> list[str]:
-    """For a comparison --from a folder: each conversion's first steps against the control's
-    (``analysis/conversion.py``) and the curves of the first seed, with each conversion's
-    difference to the control (``first_steps.png``)."""
-    shocks = {name: e["shock"] for name, e in c.results["designs"].items() if e.get("shock")}
-    if not shocks:
-        return []
-    from .conversion import first_losses
-
-    steps = min(s["steps"] for s in shocks.values())
-    seed = c.seeds[0]
-    plot_first_steps(plt, {name: first_losses(next(r for r in runs if r["seed"] == seed), steps)
-                           for name, runs in c.designs.items()}, seed, c.root / "first_steps.png", control=c.baseline)
-    lines = ["## Optimization shock", "",
-             f"Every one of the first {steps} steps' training loss, each conversion's against the control's "
-             f"({c.baseline}) on the same batches: the difference at the first step (before any update; 0 when the "
-             "conversion is exact), the largest difference over the steps, and the control's own step-to-step noise "
-             "(the standard deviation of its loss changes); each the largest over the seeds. A largest difference "
-             "within the noise is no shock. The figure's second panel draws each conversion's loss minus the control's, "
-             "step by step, against the control's noise (shaded).", "",
-             "| design | step-0 difference | largest difference | control's noise |", "|---|---|---|---|"]
-    for name, s in shocks.items():
-        noise = "" if s["control_noise"] is None else f"{s['control_noise']:.4f}"
-        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.3g} | {noise} |")
-    return [*lines, "", "![the first steps](first_steps.png)", ""]
-
-
-def _downstream_section(c: Comparison) -> list[str]:
-    """With ``--tasks``: per task, conversion and seed, the exact McNemar test of its answers
-    against the control's on the same items."""
-    downstream = c.results.get("downstream")
-    if not downstream:
-        return []
-    lines = ["## Downstream, paired item by item", "",
-             "Each run exported and evaluated with lm-evaluation-harness; each item right or wrong by its task's "
-             "per-item metric. Per seed (not pooled: the seeds answer the same items), the items only the control "
-             "got right (n01) and only the conversion got right (n10), and the exact McNemar test "
-             "(`binomtest(min(n01, n10), n01 + n10, 0.5)`, two-sided).", "",
-             "| task | design | seed | items | control | conversion | difference | n01 | n10 | p |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for task, by_design_ in downstream["by_task"].items():
-        for name, seeds in by_design_.items():
-            for seed, t in seeds.items():
-                lines.append(f"| {task} | {name} | {seed} | {t['items']} | {t['acc_control']:.3f} | "
-                             f"{t['acc_treated']:.3f} | {t['acc_diff']:+.3f} | {t['n01']} | {t['n10']} | {t['p']:.3g} |")
-    return [*lines, ""]
 
 
 def _depth_weights_section(c: Comparison, plt) -> list[str]:
@@ -491,7 +458,7 @@ def write_report(compare_dir: Path, baseline: str | None = None) -> Path:
         lines = ["# Residual designs compared", "", *_incomplete_section(c)]
     else:
         lines = [*_header(c), *_options_section(c), *_loss_section(c, plt), *_budget_section(c, plt),
-                 *_shock_section(c, plt), *_downstream_section(c), *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
+                 *shock_section(c, plt), *downstream_section(c), *_depth_weights_section(c, plt), *_expert_load_section(c, plt),
                  *_depth_growth_section(c, plt), *_width_probe_section(c)]
     (c.root / "results.json").write_text(json.dumps(c.results, indent=2))
     path = c.root / "report.md"

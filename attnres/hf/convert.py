@@ -35,6 +35,7 @@ from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ..files import read_json, replace_folder
 from ..streams import DeltaAttnResStream
 from ..streams.delta import check_routing_options, converted_routing
+from .destination import TOKENIZER_FILES, check_destination, held
 
 SOURCES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -47,8 +48,6 @@ SOURCES = {
 #: sources whose layers all take one mask: causal, or sliding-window when ``sliding_window`` is set
 #: (the others list each layer's kind in ``layer_types``)
 ONE_MASK = ("mistral", "mixtral", "qwen3_moe")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 class DeltaRoutingForCausalLM:
@@ -170,9 +169,10 @@ def freeze_base(model) -> None:
         p.requires_grad_(name.startswith("routing."))
 
 
-def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
+def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4, defaulted=()):
     """Convert a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE causal LM (a model or a local path)
-    to Delta AttnRes.
+    to Delta AttnRes. ``defaulted``: the routing options left at their defaults, which a refusal
+    says so of (``check_routing_options``).
 
     Returns the converted model, in the source's dtype, with the source's weights and
     zero-initialized routing.
@@ -186,7 +186,7 @@ def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4):
             config = AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path / 'config.json'} does not load as a model config ({_first_line(exc)})") from None
-        check_routing_options(config, heads, block_layers)  # before the weights load
+        check_routing_options(config, heads, block_layers, defaulted)  # before the weights load
         try:
             source = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
         except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
@@ -241,26 +241,6 @@ def check_source_config(path: Path) -> None:
             raise ValueError(f"{path}: {name}={config[name]!r} must be a positive integer")
 
 
-def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Raise ``ValueError`` for a destination that would harm the source or another folder's
-    files: the source itself, a folder inside it or around it, or (without ``overwrite``) a
-    folder that exists and is not empty; a destination under a file (it could never be made:
-    refused here, not after the weights load)."""
-    for folder in dst.absolute().parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise ValueError(f"destination {dst} lies under {folder}, which is a file, not a folder; choose "
-                                 f"another path")
-            break
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents:
-        raise ValueError(f"destination {dst} is the source model's folder or inside it; choose another folder")
-    if d in s.parents:
-        raise ValueError(f"destination {dst} holds the source model {src}; choose another folder")
-    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
-        raise ValueError(f"destination {dst} exists and is not empty; pass --overwrite to replace it")
-
-
 def save_with_tokenizer(model, src: Path, dst: Path) -> None:
     """``model`` and the tokenizer files of folder ``src`` (``TOKENIZER_FILES``) written to
     ``dst`` through ``replace_folder``: beside it, renamed into place when complete."""
@@ -274,17 +254,20 @@ def save_with_tokenizer(model, src: Path, dst: Path) -> None:
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, heads: int = 8, block_layers: int | list[int] = 4,
-                       overwrite: bool = False) -> dict:
+                       overwrite: bool = False, defaulted=()) -> dict:
     """Convert the model in folder ``src`` and save it to ``dst`` with the source's tokenizer
     files; returns ``{"added_parameters", "base_parameters", "model_type"}``.
 
-    The destination is checked before any work (``check_destination``). The model is written to
-    a temporary folder beside ``dst`` and renamed into place when complete, so an interrupted
-    conversion leaves ``dst`` as it was; with ``overwrite`` the old ``dst`` goes only then."""
+    The destination is checked before any work (``check_destination``: ``overwrite`` replaces
+    only a model folder) and held with its lock while the model is made and written
+    (``destination.held``). The model is written to a temporary folder beside ``dst`` and renamed
+    into place when complete, so an interrupted conversion leaves ``dst`` as it was; with
+    ``overwrite`` the old ``dst`` goes only then."""
     src, dst = Path(src), Path(dst)
     check_destination(src, dst, overwrite)
-    model = convert(src, heads=heads, block_layers=block_layers)
-    save_with_tokenizer(model, src, dst)
+    with held(src, dst, overwrite):
+        model = convert(src, heads=heads, block_layers=block_layers, defaulted=defaulted)
+        save_with_tokenizer(model, src, dst)
     added = sum(p.numel() for p in routing_parameters(model).values())
     return {"added_parameters": added, "base_parameters": sum(p.numel() for p in model.parameters()) - added,
             "model_type": model.config.model_type}

@@ -3,16 +3,24 @@
 (``export.export_run``) and evaluated with lm-evaluation-harness, its logged samples kept as one
 right-or-wrong per item, in ``downstream.json`` beside ``compare.json``. The report pairs the
 conversions' answers with the control's, seed by seed (``analysis/conversion.py``: McNemar).
+
+The evaluation follows the training (``evaluate_pending``): ``compare.json``'s ``downstream``
+says whether it is ``complete``. SIGINT or SIGTERM stops it where it stands (the runs evaluated
+so far kept), records ``stopped_by`` and prints the command that finishes it, ``attnres compare
+--resume``; ``complete`` keeps saying whether the training finished.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
-from ..analysis.comparison import load_index
-from ..files import read_json
+from ..analysis.comparison import label_path, load_index
+from ..files import Terminated, read_json
+from ..train.compare import write_index
+from ..train.signals import Raising
 from .evaluate import evaluate
 from .export import export_run
 
@@ -50,12 +58,14 @@ def _write(path: Path, data: dict) -> None:
 
 
 def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | None = None,
-                        limit: float | None = None, log=print) -> Path:
+                        limit: float | None = None, log=print, stopped=lambda: False) -> Path:
     """Export and evaluate on ``tasks`` every finished run of the comparison in ``root`` that
     ``downstream.json`` does not hold yet (written after each run: a stopped evaluation
     continues where it stopped, ``attnres compare --resume``), on the device the comparison
     trained on (``run.device``); returns its path. A group task's subtasks are answered each
-    under its own name."""
+    under its own name. Each run is exported from the folder its model came from as the
+    comparison knows it now (``compare.json``'s ``init_from``, or its ``models/``: either may
+    have moved since the run). ``stopped()`` is asked before each run: true ends the loop."""
     from ..train.distributed import pick_device
 
     root = Path(root)
@@ -71,9 +81,12 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
     for entry in index["runs"]:
         if entry["dir"] in data["runs"] or entry.get("steps_done", 0) < entry.get("steps", index["steps"]):
             continue
+        if stopped():
+            break
         out = root / "exports" / entry["dir"]
         log(f"evaluating {entry['dir']} on {', '.join(tasks)}")
-        export_run(root / entry["dir"], out, overwrite=True)
+        source = index["init_from"] if entry["design"] == "source" else root / "models" / label_path(entry["design"])
+        export_run(root / entry["dir"], out, overwrite=True, source=source)
         results = evaluate(out, list(tasks), include_path=include_path, limit=limit, device=device, log_samples=True)
         answers = {}
         for task, samples in results["samples"].items():
@@ -84,3 +97,39 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
         _write(path, data)
     _write(path, data)
     return path
+
+
+def evaluate_pending(root: str | Path, received: int | None = None, log=print) -> int | None:
+    """Finish what a comparison --from a folder with ``--tasks`` owes once trained: evaluate its
+    runs (``evaluate_comparison``) unless a signal came before (``received``), or the training
+    is incomplete (then the evaluation waits for ``--resume``). ``compare.json``'s ``downstream``
+    records whether the evaluation is ``complete``, and ``stopped_by`` the signal that stopped it
+    (SIGINT or SIGTERM stop it where it stands, ``train.signals.Raising``), with the report
+    written again; returns that signal's number, or None when nothing stopped it."""
+    from ..analysis.report import write_report
+
+    root = Path(root)
+    index = load_index(root)
+    downstream = index["downstream"]
+    if not index.get("complete"):
+        return received
+    if received is None:
+        try:
+            with Raising() as signals:
+                evaluate_comparison(root, downstream["tasks"], downstream.get("include_path"), downstream.get("limit"),
+                                    log=log, stopped=lambda: signals.received is not None)
+        except KeyboardInterrupt:
+            signals.received = signal.SIGINT
+        except Terminated as stop:
+            signals.received = int(stop.code) - 128
+        received = signals.received
+    downstream["complete"] = received is None
+    index.pop("stopped_by", None)
+    if received is not None:
+        index["stopped_by"] = signal.Signals(received).name
+    write_index(root, index)
+    write_report(root)
+    if received is not None:
+        log(f"stopped by {index['stopped_by']}: the comparison's evaluation on {', '.join(downstream['tasks'])} is "
+            f"incomplete; continue it with: attnres compare --resume {root}")
+    return received

@@ -81,6 +81,22 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     return manager
 
 
+def check_known_tasks(tasks: list[str], include_path: str | None = None) -> None:
+    """``ValueError`` naming the ``tasks`` lm-eval does not know, as ``task_manager`` does, but
+    without indexing lm-eval's own task files when the include path's alone hold every one (an
+    index of a folder is instant; lm-eval's own takes seconds)."""
+    if include_path:
+        try:
+            from lm_eval.tasks import TaskManager
+        except ImportError:
+            TaskManager = None
+        if TaskManager is not None:
+            local = TaskManager(include_path=include_path, include_defaults=False)
+            if all(local.match_tasks([t]) for t in tasks):
+                return
+    task_manager(tasks, include_path)
+
+
 def evaluate(model_dir: str | Path, tasks: list[str], *, include_path: str | None = None,
              limit: int | None = None, device: str = "cpu", batch_size: int = 1,
              log_samples: bool = False) -> dict:

@@ -8,8 +8,10 @@ code): the reference model with a PreNorm stream is Llama's architecture (rotate
 grouped-query attention, SwiGLU, RMSNorm, no biases), each weight renamed (``LLAMA_NAMES``), the
 stream's effective epsilon as ``rms_norm_eps``, a tied embedding as ``tie_word_embeddings``. The checkpoint
 may come from any layout: one process's, or the shards of a pipelined or FSDP2 run, read here in
-one process. ``OUT`` is checked before any work (a folder with files is refused unless
-``overwrite``), written beside itself and renamed into place when complete. A run that
+one process. ``OUT`` is checked before any work (``destination.check_destination``: a run's
+folder, live or finished, and files export does not write are refused; a model folder unless
+``overwrite``), held with its lock while it is written, written beside itself and renamed into
+place when complete. A run that
 continued a folder's model (``train --from``) is written as that folder's architecture, with its
 tokenizer (``training.export_folder_run``).
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from ..files import replace_folder
 from ..train.checkpoint import latest_checkpoint, load_checkpoint
 from ..train.run_dir import load_run_config
-from .convert import check_destination
+from .destination import check_destination, held
 from .tokenizer import BYTE_VOCAB
 
 
@@ -82,14 +84,16 @@ def llama_config(config):
                        eos_token_id=None, pad_token_id=None)
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False, format: str = "attnres") -> dict:
+def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False, format: str = "attnres",
+               source: str | Path | None = None) -> dict:
     """Write run ``run_dir``'s latest checkpoint to ``out``; returns ``{"step", "parameters",
     "checkpoint"}``. Refused, naming the reason: a folder that holds no run or no checkpoint,
     a run on a BPE tokenizer or with a vocabulary other than the bytes' (a run on token files
     with ``model.vocab_size=1000``: the exported folder carries the byte tokenizer, which
     would neither cover the model's tokens nor mean what its token ids meant), an ``out``
     inside the run, under a file or holding files (without ``overwrite``). ``format``: one of
-    ``FORMATS``; ``llama`` takes PreNorm runs only (``llama_config``)."""
+    ``FORMATS``; ``llama`` takes PreNorm runs only (``llama_config``). ``source``: for a run that
+    continued a folder's model, the place that folder moved to (``--source``)."""
     from .native import AttnResConfig, AttnResForCausalLM
     from .tokenizer import byte_tokenizer
 
@@ -103,7 +107,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
                              f"{cfg.init_from} and is exported as that folder's architecture: leave --format out")
         from .training import export_folder_run
 
-        return export_folder_run(run_dir, out, cfg, overwrite)
+        return export_folder_run(run_dir, out, cfg, overwrite, source)
+    if source is not None:
+        raise ValueError(f"--source {source} gives the new place of the folder a run continued (train --from); "
+                         f"{run_dir} built its own model: leave --source out")
     if format == "llama":
         llama_config(cfg.model)  # refused before any weight is read
     if cfg.data.tokenizer != "byte":
@@ -117,20 +124,21 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     if checkpoint is None:
         raise ValueError(f"{run_dir} has no checkpoint to export")
     check_destination(run_dir, out, overwrite)
-    weights, state = load_checkpoint(checkpoint, cfg.model)
-    if format == "llama":
-        from transformers import LlamaForCausalLM
+    with held(run_dir, out, overwrite):
+        weights, state = load_checkpoint(checkpoint, cfg.model)
+        if format == "llama":
+            from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM(llama_config(cfg.model))
-        model.load_state_dict(llama_weights(weights, cfg.model.n_layers))
-    else:
-        model = AttnResForCausalLM(AttnResConfig.from_model_config(cfg.model))
-        model.model.load_state_dict(weights)
+            model = LlamaForCausalLM(llama_config(cfg.model))
+            model.load_state_dict(llama_weights(weights, cfg.model.n_layers))
+        else:
+            model = AttnResForCausalLM(AttnResConfig.from_model_config(cfg.model))
+            model.model.load_state_dict(weights)
 
-    def fill(folder: Path) -> None:
-        model.save_pretrained(str(folder))
-        byte_tokenizer().save_pretrained(str(folder))
+        def fill(folder: Path) -> None:
+            model.save_pretrained(str(folder))
+            byte_tokenizer().save_pretrained(str(folder))
 
-    replace_folder(out, fill)
+        replace_folder(out, fill)
     return dict(step=state["step"], parameters=sum(p.numel() for p in model.parameters()),
                 checkpoint=str(checkpoint))

@@ -21,7 +21,9 @@ from ..analysis.comparison import label_path
 from ..streams.delta import check_routing_options
 from ..train.designs import parse_folder_design
 from ..train.folder_model import FolderModel, check_fits
-from .convert import CONVERTED, SOURCES, check_destination, convert_checkpoint, save_with_tokenizer
+from ..train.source_digest import check_source, folder_digest
+from .convert import CONVERTED, SOURCES, convert_checkpoint, save_with_tokenizer
+from .destination import check_destination, held
 
 #: the folder model types whose forward returns a router's balance loss
 MOE_TYPES = ("mixtral", "qwen3_moe", "attnres_mixtral", "attnres_qwen3_moe")
@@ -138,32 +140,44 @@ def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
         return FolderLM(lm, moe).to(device).train()
 
     return FolderModel(path, config.model_type, config.vocab_size, config.max_position_embeddings, parameters,
-                       config.router_aux_loss_coef if moe else None, build, decoder_layers, tokenizer)
+                       config.router_aux_loss_coef if moe else None, build, decoder_layers, tokenizer,
+                       folder_digest(path))
 
 
-def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False) -> dict:
+def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False, source: str | Path | None = None) -> dict:
     """Write the latest checkpoint of ``run_dir``, a run that continued the model of folder
     ``cfg.init_from``, to ``out`` as a folder of that architecture, with the source folder's
-    tokenizer files; returns ``{"step", "parameters", "checkpoint"}``."""
-    from ..train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, load_train_state
+    tokenizer files; returns ``{"step", "parameters", "checkpoint"}``. The source folder must
+    hold the model the run started from (``source_digest.check_source``); ``source`` is the place
+    it moved to (``--source``). A checkpoint that does not fit the folder's model (a run saved
+    before the digest existed, its folder replaced since) is refused naming the first weight."""
+    from ..train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, load_problem, load_train_state
     from ..train.sharded import read_weights
 
+    cfg = check_source(cfg, saved_init_from(run_dir), f"attnres export {run_dir} {out} --source DIR",
+                       "train a new run from the folder (attnres train --from MODEL_DIR)", source)
     source = Path(cfg.init_from)
     config = read_config(source, saved_init_from(run_dir))
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
         raise ValueError(f"{run_dir} has no checkpoint to export")
     check_destination(run_dir, out, overwrite)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if is_sharded(checkpoint):  # the shards of a run under torchrun, read whole in this process
-        state = load_train_state(checkpoint)
-        weights = read_weights(checkpoint, None, FolderLM(model, config.model_type in MOE_TYPES))
-    else:
-        weights, state = load_checkpoint(checkpoint)
-    if not all(k.startswith(PREFIX) for k in weights):
-        raise ValueError(f"{checkpoint}: its weights are not a folder model's (names under {PREFIX!r})")
-    model.load_state_dict({k.removeprefix(PREFIX): v for k, v in weights.items()})
-    save_with_tokenizer(model, source, out)
+    with held(run_dir, out, overwrite):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if is_sharded(checkpoint):  # the shards of a run under torchrun, read whole in this process
+            state = load_train_state(checkpoint)
+            weights = read_weights(checkpoint, None, FolderLM(model, config.model_type in MOE_TYPES))
+        else:
+            weights, state = load_checkpoint(checkpoint)
+        if not all(k.startswith(PREFIX) for k in weights):
+            raise ValueError(f"{checkpoint}: its weights are not a folder model's (names under {PREFIX!r})")
+        try:
+            model.load_state_dict({k.removeprefix(PREFIX): v for k, v in weights.items()})
+        except RuntimeError as exc:
+            raise ValueError(f"{checkpoint}: its weights do not fit the model of {source} ({load_problem(exc)}): "
+                             f"that folder is not the one the run started from; put the run's source back there"
+                             ) from None
+        save_with_tokenizer(model, source, out)
     return dict(step=state["step"], parameters=sum(p.numel() for p in model.parameters()), checkpoint=str(checkpoint))
 
 
@@ -176,6 +190,8 @@ class ComparisonFolders:
     def __init__(self, source: str | Path):
         self.source = Path(source).expanduser().resolve()
         self.config = read_config(self.source)
+        #: the source folder's digest, which the comparison records (``TrainConfig.init_from_digest``)
+        self.digest = folder_digest(self.source)
 
     def check(self, options: dict[str, dict], base) -> None:
         """Refuse, before any work, a source ``convert`` does not take, a conversion's options
@@ -189,8 +205,10 @@ class ComparisonFolders:
                              f"source, one of {sorted(SOURCES)} (attnres convert's)")
         for label, values in options.items():
             if values["design"] == "convert":
+                given = {part.partition("=")[0] for part in label.split(":")[1:]}
                 try:
-                    check_routing_options(self.config, values["heads"], values["block_layers"])
+                    check_routing_options(self.config, values["heads"], values["block_layers"],
+                                          [name for name in ("heads", "block_layers") if name not in given])
                 except ValueError as err:
                     raise ValueError(f"design {label!r}: {err}") from None
 

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..train.run_dir import is_run_config
 from . import ARCHITECTURES
 
 #: the architectures ``attnres convert`` converts from, which vLLM serves with its own models
@@ -26,7 +27,8 @@ SERVED = (*ARCHITECTURES, *SOURCE_ARCHITECTURES)
 
 def served_architecture(model_dir: Path) -> str:
     """The architecture ``model_dir``'s ``config.json`` declares; ``ValueError`` naming it when
-    the plugin does not serve it, or naming what is missing."""
+    the plugin does not serve it, or naming what is missing (a training run's folder is pointed
+    to ``attnres export``, which writes the folder served)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not a model folder: {path} does not exist")
@@ -34,6 +36,9 @@ def served_architecture(model_dir: Path) -> str:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not readable JSON ({exc})") from None
+    if is_run_config(config):
+        raise ValueError(f"{model_dir} is a training run's folder: export it first (`attnres export {model_dir} OUT` "
+                         f"writes its latest checkpoint as a model folder), then serve OUT")
     declared = config.get("architectures") if isinstance(config, dict) else None
     if not isinstance(declared, list) or len(declared) != 1:
         raise ValueError(f"{path} declares architectures={declared!r}; one of {sorted(SERVED)} is served")

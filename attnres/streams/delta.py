@@ -99,19 +99,27 @@ class DeltaAttnResStream(BlockRoutingStream):
         return DeltaState(rest[0], routed)
 
 
-def check_routing_options(config, heads, block_layers) -> None:
+def check_routing_options(config, heads, block_layers, defaulted=()) -> None:
     """Raise ``ValueError`` unless ``heads`` divides the model's width and ``block_layers`` is a
-    number of its layers (equal blocks) or a list of positive layer counts summing to them."""
+    number of its layers (equal blocks) or a list of positive layer counts summing to them.
+    ``defaulted``: the options (``"heads"``, ``"block_layers"``) the user left at their defaults;
+    a refusal of one says it is the default and which values fit this model."""
     width, layers = config.hidden_size, config.num_hidden_layers
     if type(heads) is not int or heads < 1 or width % heads:
-        raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}")
+        fits = [h for h in range(1, width + 1) if width % h == 0]
+        default = (f" (heads={heads} is the default; this model takes {', '.join(map(str, fits[:12]))}"
+                   f"{', ...' if len(fits) > 12 else ''})" if "heads" in defaulted else "")
+        raise ValueError(f"heads={heads!r} must be a positive integer dividing hidden_size={width}{default}")
     if isinstance(block_layers, (list, tuple)):
         if not block_layers or any(type(n) is not int or n < 1 for n in block_layers) or sum(block_layers) != layers:
             raise ValueError(f"block_layers={list(block_layers)} must be positive layer counts summing to "
                              f"{layers} (the number of layers)")
     elif type(block_layers) is not int or not 1 <= block_layers <= layers:
+        default = (f" (block_layers={block_layers} is the default, and this model has {layers} layers: give a "
+                   f"number of layers per block in [1, {layers}], or a list of each block's layers summing to {layers})"
+                   if "block_layers" in defaulted else "")
         raise ValueError(f"block_layers={block_layers!r} must be an integer in [1, {layers}] (the number of layers) "
-                         f"or a list of layers per block")
+                         f"or a list of layers per block{default}")
 
 
 def routing_blocks(block_layers) -> dict:

@@ -98,6 +98,17 @@ def check_weights(weights: dict, expected_model: ModelConfig, path: Path) -> Non
                               f"{expected_model.dim}")
 
 
+def load_problem(exc: BaseException) -> str:
+    """What a ``load_state_dict`` error says is wrong, in one line: its first detail (a size
+    mismatch, the keys missing), with how many more there are; the error's own first line only
+    names the module (``Error(s) in loading state_dict for FolderLM:``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
+        return lines[1][:300] + more
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
 def load_checkpoint(path: Path, expected_model: ModelConfig | None = None) -> tuple[dict, dict]:
     """``(model_state, train_state)`` of checkpoint folder ``path``; a file that is missing or
     corrupt raises ``CheckpointError`` naming it, and with ``expected_model`` (loading for a run)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.budget import budget_run_label, check_budgets
+from ..analysis.budget import MAX_BUDGET, budget_run_label, check_budgets
 from ..analysis.capture import capture_analysis
 from ..analysis.comparison import label_path
 from ..analysis.report import check_report_dependencies, choose_baseline, load_index, run_name, write_report
@@ -53,7 +53,7 @@ from .signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
 from .trainer import EVAL_SEED, train
 from .distributed import pick_device  # noqa: I001
-from .validate import check_backend, check_run, max_seed
+from .validate import check_backend, check_run, max_seed, window_problem
 
 @dataclass
 class Plan:
@@ -144,6 +144,10 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         if len(budgets) < 2:
             raise ValueError(f"--budgets {budgets}: give 1 and at least one larger multiple (e.g. 1 1.5 2 3): the "
                              f"baseline's curve needs two points")
+        if budgets[-1] > MAX_BUDGET:
+            raise ValueError(f"--budgets {budgets}: {budgets[-1]:g} would train the baseline for {budgets[-1]:g} "
+                             f"times the designs' {base.run.steps} steps; the multiples go up to {MAX_BUDGET:g} "
+                             f"(e.g. 1 1.5 2 3)")
         uneven = [b for b in budgets if abs(base.run.steps * b - round(base.run.steps * b)) > 1e-9]
         if uneven:
             raise ValueError(f"--budgets {uneven}: run.steps={base.run.steps} times each multiple must be a whole "
@@ -170,6 +174,8 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         options[label] = design_options(base.model, label, overrides)
         try:
             configs[label] = design_config(base.model, label, options=options[label])
+            if "window" in options[label] and window_problem(configs[label]):  # given: a design has no window of its own
+                raise ValueError(window_problem(configs[label]))
             optim = optim_fields(options[label])
             check_run(dataclasses.replace(base, model=configs[label], optim=dataclasses.replace(base.optim, **optim)))
             check_backend(configs[label], device)  # before the first design trains, not at its turn
@@ -255,10 +261,7 @@ def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_dat
     if lacking:
         raise ValueError(f"{path} lacks {lacking}: it was written before `attnres compare "
                          "--resume` existed, or edited by hand; run the comparison again")
-    try:
-        base = from_dict(index["config"])
-    except ValueError as err:
-        raise ValueError(f"{path}: 'config' is {err}") from None
+    base = saved_config(root, index)
     if not isinstance(index["overrides"], dict) or index["steps"] != base.run.steps:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
@@ -268,6 +271,28 @@ def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_dat
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")
     return train_designs(root, plan, index, log, allow_mixed_data)
+
+
+def saved_config(root: Path, index: dict) -> TrainConfig:
+    """The shared config a comparison saved in ``compare.json`` (``index``), read back;
+    ``ValueError`` naming the file when it lacks one or holds one that does not read."""
+    path = Path(root) / "compare.json"
+    if "config" not in index:
+        raise ValueError(f"{path} lacks its 'config': it was written before `attnres compare --resume` existed, or "
+                         f"edited by hand; run the comparison again")
+    try:
+        return from_dict(index["config"])
+    except ValueError as err:
+        raise ValueError(f"{path}: 'config' is {err}") from None
+
+
+def repoint_source(root: Path, index: dict, init_from: str) -> None:
+    """Record in ``compare.json`` (``index``, updated in place) that the source folder of the
+    comparison --from a folder in ``root`` is now ``init_from`` (``compare --resume --source``,
+    once the folder there is known to hold the model the comparison started from)."""
+    index["init_from"] = init_from
+    index["config"] = {**index["config"], "init_from": init_from}
+    write_index(Path(root), index)
 
 
 def write_index(root: Path, index: dict) -> None:
@@ -419,7 +444,7 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
     cfg, run_dir = plan.run_config(label, seed), root / name
     folder = plan.folder(label, root)
     if folder is not None:
-        cfg = dataclasses.replace(cfg, init_from=str(folder.folder))
+        cfg = dataclasses.replace(cfg, init_from=str(folder.folder), init_from_digest=folder.digest)
     steps = cfg.run.steps
     how, ckpt = _how_to_start(run_dir, steps)
     if how == "trained" and folder is not None:  # a folder's model: no depth weights to capture

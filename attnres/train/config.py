@@ -126,13 +126,17 @@ class RunConfig:
 class TrainConfig:
     """A run's settings. ``model`` builds attnres's own ``Transformer``; a run that continues
     training a saved folder (``attnres train --from``) names it in ``init_from`` (an absolute
-    path) and has no ``model`` section: its model is the folder's (``train/folder_model.py``)."""
+    path) and has no ``model`` section: its model is the folder's (``train/folder_model.py``).
+    ``init_from_digest`` is that folder's digest when the run started from it
+    (``train/source_digest.py``: checked where the run is continued or exported; None for a run
+    saved before it was recorded)."""
 
     model: ModelConfig | None
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     init_from: str | None = None
+    init_from_digest: dict | None = None
 
 
 # -- presets ---------------------------------------------------------------------------------
@@ -335,6 +339,7 @@ def from_dict(d: dict) -> TrainConfig:
             optim=OptimConfig(**d["optim"]),
             run=RunConfig(**d["run"]),
             init_from=d.get("init_from"),
+            init_from_digest=d.get("init_from_digest"),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a valid attnres training config: {exc}") from None

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..model import lm_loss
 from . import distributed as dist
+from .source_digest import changes
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class FolderModel:
     weight in the training loss (None for a dense model); ``build(device)``: the model with the folder's
     weights on ``device``, in float32; ``fsdp_units(model)``: the modules FSDP2 shards one by
     one before the whole (its decoder layers); ``tokenizer``: the folder's tokenizer (an object
-    with ``encode(text) -> list[int]``), or None when it has none."""
+    with ``encode(text) -> list[int]``), or None when it has none; ``digest``: the folder's
+    digest as it was read (``source_digest.folder_digest``; None for a model handed over in
+    memory), which a run records."""
 
     folder: Path
     architecture: str
@@ -49,11 +52,13 @@ class FolderModel:
     build: Callable[[torch.device], nn.Module]
     fsdp_units: Callable[[nn.Module], list[nn.Module]]
     tokenizer: object | None = None
+    digest: dict | None = None
 
     def describe(self) -> dict:
-        """What ``summary.json`` records of the model."""
+        """What ``summary.json`` records of the model: its folder, architecture and sizes, and its
+        digest's SHA-256 when it was read from a folder."""
         return dict(folder=str(self.folder), architecture=self.architecture, vocab_size=self.vocab_size,
-                    max_positions=self.max_positions)
+                    max_positions=self.max_positions, sha256=self.digest["sha256"] if self.digest else None)
 
 
 def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:
@@ -115,9 +120,41 @@ def check_fits(cfg, folder: FolderModel | None) -> None:
                          f"handed read (attnres.hf.training.folder_model)")
     if Path(cfg.init_from) != Path(folder.folder):
         raise ValueError(f"init_from={cfg.init_from!r} but the model handed over is {folder.folder}")
+    recorded, now = cfg.init_from_digest, folder.digest
+    if recorded is not None and now is not None and recorded["sha256"] != now["sha256"]:
+        raise ValueError(f"the model in {folder.folder} changed since the run started from it "
+                         f"({'; '.join(changes(recorded, now))}): the run continues the model it started from")
     if cfg.run.seq_len > folder.max_positions:
         raise ValueError(f"run.seq_len={cfg.run.seq_len} exceeds the context of the model in {folder.folder} "
                          f"(max_position_embeddings={folder.max_positions})")
     if cfg.data.tokenizer == "model" and folder.tokenizer is None:
         raise ValueError(f"data.tokenizer='model' reads the tokenizer of {folder.folder}, which holds none: "
                          f"use data.tokenizer='byte' for a model of 256 or more byte tokens")
+
+
+def check_tokens(data, corpus, folder: FolderModel) -> None:
+    """Every token id of ``corpus`` (read as ``data``, a ``DataConfig``, says) is a row of the
+    embedding of ``folder``'s model: an id past it would be an index error (a device assert on a
+    GPU). ``ValueError`` naming what made the ids (the folder's tokenizer, the bytes, token files)
+    and what would fit."""
+    top = max(int(corpus.train.max(initial=0)), int(corpus.val.max(initial=0)))
+    if top < folder.vocab_size:
+        return
+    model = f"the model in {folder.folder} embeds {folder.vocab_size} tokens"
+    size = len(folder.tokenizer) if hasattr(folder.tokenizer, "__len__") else None
+    if (Path(data.source).expanduser() / "train.bin").is_file():
+        raise ValueError(f"the token files in {data.source} hold ids up to {top}, and {model}: they were made with "
+                         f"another tokenizer than the model's")
+    if data.tokenizer == "model":
+        raise ValueError(f"the folder's own tokenizer (data.tokenizer='model'{f', {size} tokens' if size else ''}) gives "
+                         f"ids up to {top}, and {model}: the tokenizer saved in the folder is not its model's; save "
+                         f"the model's own tokenizer there")
+    if folder.tokenizer is None:
+        raise ValueError(f"the data's bytes (data.tokenizer='byte') reach id {top}, and {model}, fewer than the 256 "
+                         f"bytes; the folder holds no tokenizer of its own: save the model's tokenizer in it "
+                         f"(data.tokenizer='model' then reads it)")
+    if size is not None and size > folder.vocab_size:
+        raise ValueError(f"the data's bytes (data.tokenizer='byte') reach id {top}, and {model}; the folder's own "
+                         f"tokenizer ({size} tokens) does not fit it either: save the model's own tokenizer in it")
+    raise ValueError(f"the data's bytes (data.tokenizer='byte') reach id {top}, and {model}: use the folder's own "
+                     f"tokenizer (data.tokenizer='model', {size or 'its'} tokens)")

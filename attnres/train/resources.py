@@ -82,13 +82,23 @@ def check_memory(cfg, device: torch.device, plan, available: int | None = None) 
     sizes = (lower_bound(cfg.model), 0)
     need, params = estimate_bytes(cfg, plan, sizes)
     if need <= available:  # not refused by the bound: count on the meta device
-        need, params = estimate_bytes(cfg, plan)
-    if need > available:
+        sizes = model_sizes(cfg.model)
+        need, params = estimate_bytes(cfg, plan, sizes)
+    if need <= available:
+        return
+    buffers = sizes[1]
+    if buffers > need - buffers:  # the rotary tables, one row per position of model.max_seq_len
         raise ValueError(
-            f"the model ({params:,} parameters, dim={cfg.model.dim}, n_layers={cfg.model.n_layers}) needs about "
-            f"{_gib(need)} per process for its weights, gradients, AdamW state and buffers; {_gib(available)} "
-            f"is available ({where}): choose smaller sizes"
+            f"model.max_seq_len={cfg.model.max_seq_len}: the model's buffers (its rotary tables, one row per position) "
+            f"take about {_gib(buffers)} per process, its {params:,} parameters with their gradients and AdamW state "
+            f"{_gib(need - buffers)}; {_gib(available)} is available ({where}): lower model.max_seq_len (the run "
+            f"reads run.seq_len={cfg.run.seq_len} tokens at a time)"
         )
+    raise ValueError(
+        f"the model ({params:,} parameters, dim={cfg.model.dim}, n_layers={cfg.model.n_layers}) needs about "
+        f"{_gib(need)} per process for its weights, gradients, AdamW state and buffers; {_gib(available)} "
+        f"is available ({where}): choose smaller sizes"
+    )
 
 
 def peak_memory_mib(device: torch.device) -> float:

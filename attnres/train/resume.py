@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..model import match_param_groups
-from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkpoint, load_checkpoint,
+from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkpoint, load_checkpoint, load_problem,
                          load_train_state, save_checkpoint)
 from .config import SAVED_BEFORE, TrainConfig, to_dict
 from .data import is_path_source
@@ -54,6 +54,16 @@ def _same_run(saved: dict, cfg: TrainConfig) -> list[str]:
             if k in saved and saved[k] != getattr(cfg.run, k)]
 
 
+def _same_source(saved: dict, cfg: TrainConfig) -> bool:
+    """Whether the checkpoint's saved config and ``cfg`` continue the same folder's model: the
+    same digest where both recorded one (the folder may have moved: ``--source``), else the same
+    path (None for attnres's own runs)."""
+    recorded, given = saved.get("init_from_digest"), cfg.init_from_digest
+    if isinstance(recorded, dict) and given is not None:
+        return recorded.get("sha256") == given["sha256"]
+    return saved.get("init_from") == cfg.init_from
+
+
 def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
     """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
     data: a resumed run continues on the batches it was drawing) and refused when it already
@@ -68,7 +78,7 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
         weights, state = load_checkpoint(path, cfg.model)
     if cfg.model is None:  # a folder's model: the state's contents checked here, the weights' names on loading
         check_state(state, path)
-    if state["config"].get("init_from") != cfg.init_from:
+    if not _same_source(state["config"], cfg):
         raise ValueError(f"--resume continues the run in {run_dir}, which continued the model of "
                          f"{state['config'].get('init_from')}, and the run given continues {cfg.init_from}")
     saved_run = state["config"].get("run")
@@ -109,8 +119,10 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
             try:
                 model.load_state_dict(point.weights)
             except RuntimeError as exc:
+                changed = (f"; the model of {cfg.init_from} is not the one the run started from: was that folder "
+                           f"replaced?" if cfg.init_from else "")
                 raise CheckpointError(f"{point.path / 'model.safetensors'}: its weights are not the model's "
-                                      f"({str(exc).splitlines()[0][:200]})") from None
+                                      f"({load_problem(exc)}){changed}") from None
             saved = state["optimizer"]
             groups = match_param_groups(saved["param_groups"], optimizer.param_groups)
             optimizer.load_state_dict({**saved, "param_groups": groups})

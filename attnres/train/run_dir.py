@@ -136,9 +136,16 @@ def remove_run(run_dir: Path, names: list[str]) -> None:
             path.unlink()
 
 
+def is_run_config(value) -> bool:
+    """Whether ``value`` (a ``config.json`` read as JSON) is a training run's config, by its
+    sections (``model``, ``data``, ``optim``, ``run``), not a model folder's."""
+    return isinstance(value, dict) and {"model", "data", "optim", "run"} <= set(value)
+
+
 def load_run_config(run_dir: Path):
     """The ``TrainConfig`` a run saved in ``run_dir/config.json``, read only inside the folder
-    (``check_inside``); ``ValueError`` naming the file and what is wrong with it."""
+    (``check_inside``); ``ValueError`` naming the file and what is wrong with it, or naming a
+    Hugging Face model folder as one (what takes it: ``train --from``, ``eval``, ``serve``)."""
     from ..files import read_json
     from .validate import load_saved
 
@@ -147,8 +154,13 @@ def load_run_config(run_dir: Path):
     if not path.is_file():
         raise ValueError(f"{run_dir} is not a training run: config.json is missing")
     check_inside(run_dir)
+    saved = read_json(path)
+    if isinstance(saved, dict) and isinstance(saved.get("model_type"), str) and not is_run_config(saved):
+        raise ValueError(f"{run_dir} is a Hugging Face model folder (model_type={saved['model_type']!r}), not a "
+                         f"training run: `attnres train --from {run_dir}` trains it, `attnres eval {run_dir}` "
+                         f"evaluates it, and transformers or `attnres serve {run_dir}` run it")
     try:
-        return load_saved(read_json(path))
+        return load_saved(saved)
     except ValueError as exc:
         text = str(exc)
         raise ValueError(text if str(path) in text else f"{path}: {text}") from None

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from ..files import Terminated
 from . import distributed as dist
 
 
@@ -50,6 +51,32 @@ class Signals:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
             Signals._active = None
+
+
+class Raising:
+    """For work with no step to stop after (a comparison's evaluation, ``hf/downstream.py``):
+    while inside, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``files.Terminated`` where the
+    work stands, so that it stops at once and its ``finally`` blocks run; ``received`` keeps the
+    signal too, in case a library the work calls swallows the exception. The previous handlers
+    come back on leaving. Handlers are installed only on the main thread."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "Raising":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(exit_status(signum))
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def agreed_signal(received: int | None, info: dist.DistInfo) -> int | None:

@@ -65,6 +65,17 @@ def parse_over(over: list[str]) -> dict[str, list[str]]:
     return fields
 
 
+def check_not_set(fields: dict[str, list[str]], given: list[str]) -> None:
+    """Refuse a swept field that ``given`` (``--set`` assignments, ``--data`` as ``data.source=``)
+    also sets: each point sets it, so the value given would be silently replaced."""
+    for assignment in given:
+        key = assignment.partition("=")[0].strip()
+        if key in fields:
+            option = "--data" if key == "data.source" else f"--set {key}"
+            raise ValueError(f"{option} and --over {key}={','.join(fields[key])} both set {key}: each point of the "
+                             f"sweep sets it to its own value; leave it out of {option.split()[0]}")
+
+
 def sweep_points(fields: dict[str, list[str]]) -> list[dict[str, str]]:
     """The points of zipped ``fields``: ``[{field: value, ...}, ...]``."""
     n = len(next(iter(fields.values())))
@@ -108,14 +119,21 @@ def write_sweep_index(root: Path, index: dict) -> None:
 
 def check_sweep(sweep: Sweep) -> None:
     """Every point's config checked before any work: each point's values must apply (a field that
-    exists, a value of its type) and give a comparison the designs can run."""
+    exists, a value of its type) and give a comparison the designs can run, and no two points
+    may be the same settings (``2,2``, or ``2,02`` for a number: one comparison run twice)."""
+    seen: dict[str, str] = {}
     for point in sweep_points(sweep.fields):
+        where = ", ".join(f"{k}={v}" for k, v in point.items())
         try:
-            plan_comparison(point_config(sweep.base, point), sweep.designs, sweep.seeds, sweep.overrides,
-                            sweep.baseline, sweep.budgets)
+            cfg = point_config(sweep.base, point)
+            plan_comparison(cfg, sweep.designs, sweep.seeds, sweep.overrides, sweep.baseline, sweep.budgets)
         except ValueError as err:
-            where = ", ".join(f"{k}={v}" for k, v in point.items())
             raise ValueError(f"sweep point {where}: {err}") from None
+        key = json.dumps(to_dict(cfg), sort_keys=True)
+        if key in seen:
+            raise ValueError(f"sweep points {seen[key]} and {where} are the same settings (one comparison run twice): "
+                             f"give each value of --over once")
+        seen[key] = where
 
 
 def run_sweep(sweep: Sweep, out_dir: str | Path = "runs", log=print) -> tuple[Path, int | None]:

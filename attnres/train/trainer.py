@@ -38,7 +38,7 @@ from . import lock
 from .checkpoint import latest_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
-from .folder_model import FolderExperts, FolderModel, check_fits, logits_of
+from .folder_model import FolderExperts, FolderModel, check_fits, check_tokens, logits_of
 from .machine import machine
 from .materialize import rank_model
 from .parallel_plan import ParallelPlan, run_plan
@@ -109,11 +109,7 @@ def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if folder is not None:
         corpus = corpus or load_corpus(cfg.data, folder.vocab_size, bpe_dir=run_dir, tokenizer=folder.tokenizer)
-        top = max(int(corpus.train.max(initial=0)), int(corpus.val.max(initial=0)))
-        if top >= folder.vocab_size:  # an id past the embedding: an index error, or a device assert on a GPU
-            raise ValueError(f"the data's tokens (data.tokenizer={cfg.data.tokenizer!r}) reach id {top} and the model "
-                             f"in {folder.folder} embeds {folder.vocab_size}: use the folder's own tokenizer "
-                             f"(data.tokenizer='model')")
+        check_tokens(cfg.data, corpus, folder)
     else:
         corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
         if corpus.vocab_size != cfg.model.vocab_size:

@@ -33,6 +33,7 @@ from ..streams import build_stream
 from .config import DATA_SEED_STRIDE, DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
 from .frozen_corpus import frozen
 from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, run_plan
+from .source_digest import check_record
 
 
 # -- 1. each field ---------------------------------------------------------------------------
@@ -164,6 +165,10 @@ def check_folder_run(cfg: TrainConfig) -> None:
     if (cfg.model is None) == (cfg.init_from is None):
         raise ValueError("a run either builds its model (a model section) or continues a folder's model "
                          "(init_from, attnres train --from): exactly one of the two")
+    if cfg.init_from is None and cfg.init_from_digest is not None:
+        raise ValueError("init_from_digest is the digest of the folder a run continues (init_from); this run "
+                         "builds its own model")
+    check_record(cfg.init_from_digest, "the run's config")
     if cfg.model is not None:
         if cfg.data.tokenizer == "model":
             raise ValueError("data.tokenizer='model' reads the tokenizer of the folder a run continues "
@@ -289,13 +294,32 @@ ONLY_UNDER = {
 }
 
 
+def window_problem(model: ModelConfig) -> str | None:
+    """Why Full's ``window`` does nothing in ``model``, or None: every site reads ``e`` and every
+    output before it, as Full without a window, when the window holds all ``M`` sublayers' outputs
+    (``W >= M``; ``W >= M - 1`` when the output routing reads every source anyway,
+    ``window_output='all'``)."""
+    window, sublayers = model.window, model.num_sublayers
+    if window is None:
+        return None
+    widest = sublayers - 1 if model.window_output == "all" else sublayers
+    if window < widest:
+        return None
+    return (f"window={window} does nothing with {sublayers} sublayers (model.n_layers={model.n_layers}, two each): "
+            f"every sublayer{'' if model.window_output == 'all' else ' and the output'} already reads every source "
+            f"within it, as Full without a window; give a window below {widest}, or leave it out")
+
+
 def check_given(cfg: TrainConfig, given, token_files: bool = False) -> None:
     """Refuse a setting the user gave (``given``: the ``section.field`` keys of their ``--set``)
     that does nothing in ``cfg``: one of ``ONLY_UNDER`` without the value it acts under, and
     ``data.val_fraction`` for a folder of token files (``token_files``: its ``val.bin`` is the
-    validation split) or a named corpus (its split is part of it). Defaults and a resumed run's saved values are not the user's choice now,
+    validation split) or a named corpus (its split is part of it), a ``model.window`` that holds
+    every source (``window_problem``). Defaults and a resumed run's saved values are not the user's choice now,
     and are not checked this way."""
     given = set(given)
+    if "model.window" in given and cfg.model is not None and window_problem(cfg.model):
+        raise ValueError(f"--set model.window: {window_problem(cfg.model)}")
     for key, (other, values) in ONLY_UNDER.items():
         section, name = other.split(".")
         current = getattr(getattr(cfg, section), name)
