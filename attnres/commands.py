@@ -378,6 +378,9 @@ def cmd_generate(args) -> int:
     model, cfg = load_run(Path(args.run_dir))
     if cfg.data.tokenizer != "byte":
         raise ValueError("generate reads byte-level runs; this run used a BPE tokenizer")
+    if cfg.model.vocab_size != 256:  # token files: ids of the tokenizer that made them, not bytes
+        raise ValueError(f"generate reads and prints bytes; this run read token ids of a {cfg.model.vocab_size}-token "
+                         f"vocabulary from {cfg.data.source}, which only the tokenizer that made them decodes")
     prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
     g = torch.Generator().manual_seed(args.seed)
     out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=g)

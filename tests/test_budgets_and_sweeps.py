@@ -136,3 +136,63 @@ def test_a_comparison_inside_its_data_folder_stays_out_of_the_corpus(tmp_path):
     (runs / "report.md").write_text("# a report\n" * 300)
     after = load_corpus(config, 256)
     assert len(after.train) == len(before.train) and len(after.val) == len(before.val)
+
+
+def test_an_absurd_budget_is_refused_by_a_bound(tmp_path, monkeypatch):
+    """``--budgets 1 1e12`` (was: accepted, the baseline set to train 8e12 steps, silently for
+    ever): refused before any work (no step trained), naming the bound."""
+    from attnres.train import trainer
+
+    monkeypatch.setattr(trainer, "train_step", lambda *args: pytest.fail("a step was trained"))
+    out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", "--budgets", "1", "1e12",
+                         "--out", str(tmp_path))
+    assert out.returncode == 2 and "1e+12 would train the baseline for 1e+12 times" in out.stderr, out.stderr
+    assert "the multiples go up to 100" in out.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--over", "model.n_layers=2,3", "--set", "model.n_layers=4"],
+     "--set model.n_layers and --over model.n_layers=2,3 both set model.n_layers"),
+    (["--over", "data.source=stdlib,sdists-v1", "--data", "stdlib"], "--data and --over data.source=stdlib,sdists-v1"),
+    (["--over", "model.n_layers=2,2"], "sweep points model.n_layers=2 and model.n_layers=2 are the same settings"),
+    (["--over", "model.n_layers=2,02"], "sweep points model.n_layers=2 and model.n_layers=02 are the same settings"),
+])
+def test_a_sweep_point_given_twice_or_a_swept_field_also_set_is_refused(tmp_path, args, message):
+    """A swept field also given with ``--set`` or ``--data`` (was: the value given silently
+    replaced at every point), and a point given twice (was: the same comparison run twice):
+    refused before any work."""
+    out = cli_in_process("sweep", *args, *TINY, "--designs", "prenorm", "--out", str(tmp_path))
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_stopped_budget_comparison_reports_what_results_json_holds(tmp_path):
+    """SIGTERM in the baseline's run at twice the budget, every design finished: the report says
+    its table is whole and only the budget run is missing (was: "the runs of the other seeds are
+    left out", of no other seed), and that no multiplier can be given yet, naming the run (was: an
+    empty table and an empty figure); results.json agrees: seed 0 compared, no multiplier."""
+    import os
+
+    from attnres.train import trainer
+
+    real = trainer.train_step
+
+    def step(run, index, logging):
+        result = real(run, index, logging)
+        if run.run_dir.name == "prenorm@x2" and index + 1 == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "train_step", step)
+        out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", "--budgets", "1", "2",
+                             "--out", str(tmp_path))
+    assert out.returncode == 143, out.stderr
+    root = next(tmp_path.glob("compare-*"))
+    results = json.loads((root / "results.json").read_text())
+    assert results["seeds"] == [0] and results["budget_runs"]["prenorm@x2"]["val_loss"] == {}
+    assert not any("compute_equivalent" in e for e in results["designs"].values())
+    report = (root / "report.md").read_text()
+    assert "Every design finished every seed (0): the table below is whole" in report and "left out" not in report
+    assert "No multiplier yet" in report and "(prenorm@x2, seed 0: stopped at step 3 of 16)" in report
+    assert "| design | multiplier |" not in report and not (root / "budget.png").exists()
