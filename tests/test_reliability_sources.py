@@ -83,7 +83,7 @@ def test_a_source_replaced_by_another_conversion_is_refused_naming_what_changed(
     assert done.returncode == 0, done.stderr
     for args in (("train", "--resume", "--run-dir", run, "--set", "run.steps=5"), ("export", run, tmp_path / "out")):
         line = one_line(cli_in_process(*args))
-        assert f"the run's init_from ({run / 'config.json'}) {conv} changed since the run started from it" in line
+        assert f"the run's init_from ({run / 'config.json'}) {conv} changed since it was recorded" in line
         assert "delta_block_layers 1 -> 2, delta_heads 2 -> 1" in line and "--source DIR" in line, line
     assert not (tmp_path / "out").exists() and len(rows(run)) == 3
 

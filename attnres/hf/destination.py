@@ -40,9 +40,9 @@ def model_folder_problem(folder: Path) -> str | None:
     its lock file): a training run (the run's files named), files export and convert never
     write (named), or a ``config.json`` that is not a model's."""
     entries = sorted(e for e in folder.iterdir() if e.name != lock.LOCK_FILE)
-    held = [name for name in RUN_FILES if (folder / name).exists() or (folder / name).is_symlink()]
-    if held and not_a_run(folder, held) is None:
-        return (f"holds a training run ({', '.join(held)}): a run is continued with `attnres train --resume "
+    run_files = [name for name in RUN_FILES if (folder / name).exists() or (folder / name).is_symlink()]
+    if run_files and not_a_run(folder, run_files) is None:
+        return (f"holds a training run ({', '.join(run_files)}): a run is continued with `attnres train --resume "
                 f"--run-dir {folder}` and exported to a folder of its own")
     foreign = [e.name + ("/" if e.is_dir() else "") for e in entries if not _written_here(e)]
     if foreign:

@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 from ..analysis.comparison import label_path, load_index
+from ..analysis.report import write_report
 from ..files import Terminated, read_json
 from ..train.compare import write_index
 from ..train.signals import Raising
@@ -106,8 +107,6 @@ def evaluate_pending(root: str | Path, received: int | None = None, log=print) -
     records whether the evaluation is ``complete``, and ``stopped_by`` the signal that stopped it
     (SIGINT or SIGTERM stop it where it stands, ``train.signals.Raising``), with the report
     written again; returns that signal's number, or None when nothing stopped it."""
-    from ..analysis.report import write_report
-
     root = Path(root)
     index = load_index(root)
     downstream = index["downstream"]

@@ -109,8 +109,9 @@ class FolderExperts:
 
 def check_fits(cfg, folder: FolderModel | None) -> None:
     """A run with ``init_from`` (a ``TrainConfig``) is handed that folder's model, whose context
-    holds ``run.seq_len`` and which has the tokenizer ``data.tokenizer='model'`` asks for; a run
-    without one is handed none."""
+    holds ``run.seq_len``, which has the tokenizer ``data.tokenizer='model'`` asks for and, when
+    the run recorded the folder's digest (``init_from_digest``), whose files are the ones it
+    recorded; a run without one is handed none."""
     if cfg.init_from is None:
         if folder is not None:
             raise ValueError(f"a folder's model ({folder.folder}) was handed to a run without init_from")

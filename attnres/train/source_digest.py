@@ -121,21 +121,20 @@ def check_source(cfg, where: str, repoint: str, anew: str, source: str | Path | 
             raise ValueError(f"--source {source}: not a model folder (no config.json); give the folder {old} moved to")
         now = folder_digest(new)
         if now["sha256"] != recorded["sha256"]:
-            raise ValueError(f"--source {source} does not hold the model {where} started from "
-                             f"({'; '.join(changes(recorded, now))}): "
-                             f"give the folder that does, or start anew: {anew}")
+            raise ValueError(f"--source {source} does not hold the model recorded in {where} "
+                             f"({'; '.join(changes(recorded, now))}): give the folder that does, or start anew: {anew}")
         return dataclasses.replace(cfg, init_from=str(new))
     if not (old / "config.json").is_file():
         if recorded is None:
             raise ValueError(f"{where} {old}: not a model folder (no config.json: moved or removed); put the folder "
                              f"back there, or start anew: {anew}")
-        raise ValueError(f"{where} {old}: not a model folder (no config.json: moved or removed since the run started "
-                         f"from it). If it moved, give its new place: {repoint} (its files must be the ones recorded, "
+        raise ValueError(f"{where} {old}: not a model folder (no config.json: moved or removed since it was "
+                         f"recorded). If it moved, give its new place: {repoint} (its files must be the ones recorded, "
                          f"sha256 {recorded['sha256'][:16]}...); otherwise start anew: {anew}")
     if recorded is not None:
         now = folder_digest(old)
         if now["sha256"] != recorded["sha256"]:
-            raise ValueError(f"{where} {old} changed since the run started from it: {'; '.join(changes(recorded, now))}. "
-                             f"The run continues the model it started from: put those files back, or give a folder "
-                             f"that holds them: {repoint}; or start anew from the folder as it is now: {anew}")
+            raise ValueError(f"{where} {old} changed since it was recorded: {'; '.join(changes(recorded, now))}. "
+                             f"Continuing needs the model recorded: put those files back, or give a folder that "
+                             f"holds them: {repoint}; or start anew from the folder as it is now: {anew}")
     return cfg
