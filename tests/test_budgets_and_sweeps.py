@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -166,11 +167,9 @@ def test_a_sweep_point_given_twice_or_a_swept_field_also_set_is_refused(tmp_path
     assert not any(tmp_path.iterdir())
 
 
-def test_a_stopped_budget_comparison_reports_what_results_json_holds(tmp_path):
-    """SIGTERM in the baseline's run at twice the budget, every design finished: the report says
-    its table is whole and only the budget run is missing (was: "the runs of the other seeds are
-    left out", of no other seed), and that no multiplier can be given yet, naming the run (was: an
-    empty table and an empty figure); results.json agrees: seed 0 compared, no multiplier."""
+def stop_budget_run(tmp_path, run_name: str, seeds: list[str]) -> Path:
+    """A comparison of prenorm and block with ``--budgets 1 2`` over ``seeds``, stopped by
+    SIGTERM at step 3 of the run in folder ``run_name``; its folder."""
     import os
 
     from attnres.train import trainer
@@ -179,16 +178,25 @@ def test_a_stopped_budget_comparison_reports_what_results_json_holds(tmp_path):
 
     def step(run, index, logging):
         result = real(run, index, logging)
-        if run.run_dir.name == "prenorm@x2" and index + 1 == 3:
+        if run.run_dir.name == run_name and index + 1 == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(trainer, "train_step", step)
         out = cli_in_process("compare", *TINY, "--designs", "prenorm", "block", "--budgets", "1", "2",
-                             "--out", str(tmp_path))
+                             "--seeds", *seeds, "--out", str(tmp_path))
     assert out.returncode == 143, out.stderr
-    root = next(tmp_path.glob("compare-*"))
+    return next(tmp_path.glob("compare-*"))
+
+
+def test_a_stopped_budget_comparison_reports_what_results_json_holds(tmp_path):
+    """SIGTERM in the baseline's run at twice the budget, every design finished: the report says
+    its table is whole and only the budget run is missing (was: "the runs of the other seeds are
+    left out", of no other seed), and that no multiplier can be given yet, naming the run (was: an
+    empty table and an empty figure); results.json agrees: seed 0 compared, no multiplier. Stopped
+    in seed 1's budget run of two seeds: the multipliers are seed 0's, and the report says so."""
+    root = stop_budget_run(tmp_path / "one", "prenorm@x2", ["0"])
     results = json.loads((root / "results.json").read_text())
     assert results["seeds"] == [0] and results["budget_runs"]["prenorm@x2"]["val_loss"] == {}
     assert not any("compute_equivalent" in e for e in results["designs"].values())
@@ -196,3 +204,8 @@ def test_a_stopped_budget_comparison_reports_what_results_json_holds(tmp_path):
     assert "Every design finished every seed (0): the table below is whole" in report and "left out" not in report
     assert "No multiplier yet" in report and "(prenorm@x2, seed 0: stopped at step 3 of 16)" in report
     assert "| design | multiplier |" not in report and not (root / "budget.png").exists()
+    root = stop_budget_run(tmp_path / "two", "prenorm@x2-seed1", ["0", "1"])
+    results = json.loads((root / "results.json").read_text())
+    assert results["seeds"] == [0, 1] and list(results["designs"]["block"]["compute_equivalent"]["per_seed"]) == ["0"]
+    report = (root / "report.md").read_text()
+    assert "The multipliers use seed 0, whose runs at every budget finished; the table above uses 0, 1." in report
