@@ -6,6 +6,7 @@ import importlib.metadata
 import importlib.resources
 import json
 import re
+import site
 
 from attnres.train.machine import (_cpu, installed_versions, lock_path, lock_state, locked_versions, machine,
                                    normalized, unlocked)
@@ -22,7 +23,8 @@ def test_the_environment_holds_exactly_its_lock():
     locked = {re.sub(r"[-_.]+", "-", name).lower(): version
               for name, version in re.findall(r"^([A-Za-z0-9][\w.-]*)==(\S+) \\$", lock_text(), re.MULTILINE)}
     installed = {}
-    for dist in importlib.metadata.distributions():  # the first of a name on sys.path is the one imported
+    # the environment's site-packages (setuptools, once imported, puts its vendored packages on sys.path)
+    for dist in importlib.metadata.distributions(path=site.getsitepackages()):
         installed.setdefault(re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower(), dist.version)
     assert len(locked) > 100 and locked["torch"] == "2.13.0+cpu" and "pip" in locked
     differ = {name: (installed.get(name), version) for name, version in locked.items() if installed.get(name) != version}
@@ -46,7 +48,11 @@ def test_the_locks_are_package_data_with_their_index_and_hashes():
 
 def test_machine_records_the_locks_digest_and_what_differs_from_it():
     """lock_sha256 is the sha256 of the lock file's bytes, unlocked {} in the locked environment;
-    `id` hashes the arithmetic's fields only, as it did before the packages were recorded."""
+    `id` hashes the arithmetic's fields only, as it did before the packages were recorded. After a
+    kernel build's setuptools import (its vendored packages' folder on sys.path), too."""
+    from torch.utils import cpp_extension  # noqa: F401  (imports setuptools, as the kernels' build does)
+
+    lock_state.cache_clear()  # computed now, with setuptools' folder on sys.path
     m = machine()
     raw = lock_path().read_bytes()
     assert lock_path().name == "main.txt"  # no vLLM in the main environment

@@ -22,6 +22,8 @@ import importlib.util
 import json
 import platform
 import re
+import site
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,10 +66,15 @@ def locked_versions(lock_text: str) -> dict[str, str]:
 
 
 def installed_versions() -> dict[str, str]:
-    """``{normalized name: version}`` of the distributions this interpreter imports from: the first
-    of a name along ``sys.path`` (the one ``import`` finds), as ``importlib.metadata`` reports it."""
+    """``{normalized name: version}`` of the distributions installed in this environment (its
+    site-packages folders, in ``sys.path``'s order: the first of a name is the one ``import``
+    finds), as ``importlib.metadata`` reports them. Other folders on ``sys.path`` are not
+    installations: setuptools, once imported, puts the folder of its own vendored packages there."""
+    sites = set(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        sites.add(site.getusersitepackages())
     found: dict[str, str] = {}
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=[p for p in sys.path if p in sites] or sorted(sites)):
         name = dist.metadata["Name"]
         if name:  # a broken install's metadata may lack it
             found.setdefault(normalized(name), dist.version)
