@@ -98,7 +98,8 @@ class GatedMixLowRankFunction(torch.autograd.Function):
     ``[n D, r]``: the logits and the gates never pass through memory, and backward forms
     ``dh = dz U`` and ``dU = dz^T h`` in the same pass instead of two products over ``[tokens, n D]``.
     Keeps ``R``, ``h`` and ``U`` (the operators read ``U^T`` padded with zero columns to whole
-    64-byte vectors, the kernel's unit, formed in each direction)."""
+    vectors, the kernel's unit of 64 bytes with AVX-512 and 32 with AVX2, formed in each
+    direction)."""
 
     @staticmethod
     def forward(ctx, R, h, up):

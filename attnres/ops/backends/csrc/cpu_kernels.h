@@ -9,11 +9,10 @@
 
 #include <cstdint>
 
-// The width in bytes of the depth kernels' vectors (depth_attention_cpu.cpp's Vec): one register
-// of the instruction set the build compiles for (cpu_build.py's ATTNRES_CPU_ISA, -march): 64 with
-// AVX-512, else 32 (AVX2; a pair of 16-byte registers on SSE and NEON). The multi-stream kernels
-// work in chunks of 64 bytes on every instruction set (multi_stream_cpu.cpp's LANES): one AVX-512
-// register, or two AVX2 ones.
+// The width in bytes of the kernels' vectors (depth_attention_cpu.cpp's Vec, multi_stream_cpu.cpp's
+// LANES): one register of the instruction set the build compiles for (cpu_build.py's
+// ATTNRES_CPU_ISA, -march): 64 with AVX-512, else 32 (AVX2; a pair of 16-byte registers on SSE
+// and NEON).
 #ifndef ATTNRES_VEC_BYTES
 #if defined(__AVX512F__)
 #define ATTNRES_VEC_BYTES 64

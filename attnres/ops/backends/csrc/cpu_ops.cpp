@@ -438,10 +438,10 @@ std::tuple<Tensor, Tensor> cpu_gated_mix_backward(const Tensor& R_, const Tensor
   return {or_empty(dR, R), or_empty(dz, R)};
 }
 
-// U^T [r, mp] from the up-projection U [n D, r]: padded with zero columns to whole 64-byte vectors,
-// the low-rank kernel's unit.
+// U^T [r, mp] from the up-projection U [n D, r]: padded with zero columns to whole vectors of
+// ATTNRES_VEC_BYTES (cpu_kernels.h), the low-rank kernel's unit.
 Tensor padded_up_t(const Tensor& up) {
-  const int64_t m = up.size(0), r = up.size(1), lanes = 64 / up.element_size();
+  const int64_t m = up.size(0), r = up.size(1), lanes = ATTNRES_VEC_BYTES / up.element_size();
   Tensor upT = at::zeros({r, (m + lanes - 1) / lanes * lanes}, up.options());
   upT.slice(1, 0, m).copy_(up.t());
   return upT;

@@ -36,11 +36,15 @@
 
 namespace {
 
-// Lanes of a chunk: one 64-byte vector of F (16 fp32, 8 fp64). Sums over d run in LANES
-// independent chains, added in a fixed tree at the end, so that the compiler vectorizes them
-// (the order of a float sum is otherwise fixed, and one chain waits on every add).
+// Lanes of a chunk: one vector register of F of the instruction set the build compiles for
+// (ATTNRES_VEC_BYTES, cpu_kernels.h: 64 bytes with AVX-512, 16 fp32 or 8 fp64; 32 bytes with
+// AVX2). Wider chunks than the registers cost more than they save: their shuffles and
+// conversions are not single instructions there, and the Sinkhorn and gated kernels ran 3 to 4
+// times slower on AVX2 with 64-byte chunks. Sums over d run in LANES independent chains, added in
+// a fixed tree at the end, so that the compiler vectorizes them (the order of a float sum is
+// otherwise fixed, and one chain waits on every add).
 template <typename F>
-constexpr int LANES = 64 / sizeof(F);
+constexpr int LANES = ATTNRES_VEC_BYTES / sizeof(F);
 
 // sum over lanes: halves added pairwise, the same order every call
 template <typename F>
@@ -62,16 +66,16 @@ inline F dot(const F* a, const F* b, int64_t n) {
 }
 
 template <typename F>
-struct Lanes;  // one 64-byte vector of F (GCC's and Clang's vector extension)
+struct Lanes;  // one vector of LANES F (GCC's and Clang's vector extension)
 template <>
 struct Lanes<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef int32_t mask __attribute__((vector_size(64)));  // lane indices for a shuffle
+  typedef float type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
+  typedef int32_t mask __attribute__((vector_size(ATTNRES_VEC_BYTES)));  // lane indices for a shuffle
 };
 template <>
 struct Lanes<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef int64_t mask __attribute__((vector_size(64)));
+  typedef double type __attribute__((vector_size(ATTNRES_VEC_BYTES)));
+  typedef int64_t mask __attribute__((vector_size(ATTNRES_VEC_BYTES)));
 };
 template <typename F>
 using lanes = typename Lanes<F>::type;
@@ -131,7 +135,8 @@ inline void fold_levels(lanes<F>* v, int count) {
 // out[i * os + j] = dot(a_i, b_j, D) for i < NA, j < NB, with a_i = a + i * as and b_j = b + j * bs:
 // every pair in one pass over d (each a_i and b_j chunk loaded once for all pairs), with the
 // same lanes and tree as `dot`, so that it gives dot's numbers. The sums are vectors, kept in
-// registers across the chunks where they fit (n = 4 with 64-byte vectors) and their lanes are summed together (`fold`).
+// registers across the chunks where they fit (n = 4: 16 vectors, in AVX-512's 32 registers or
+// spilling some of AVX2's 16) and their lanes are summed together (`fold`).
 template <typename F, int NA, int NB>
 inline void dots(const F* a, int64_t as, const F* b, int64_t bs, int64_t D, F* out, int64_t os) {
   constexpr int W = LANES<F>, P = NA * NB;
@@ -314,7 +319,7 @@ void update_backward(int64_t T, int64_t n_, int64_t D, const F* H, int64_t ts, i
 // 2^k stays a normal number (a NaN stays NaN); within a few units in the last place of
 // std::exp. fp64 (the reference dtype): std::exp per lane.
 inline lanes<float> exp_lanes(lanes<float> x) {
-  typedef int32_t ints __attribute__((vector_size(64)));
+  typedef int32_t ints __attribute__((vector_size(ATTNRES_VEC_BYTES)));
   const lanes<float> hi = lanes<float>{} + 88.0f, lo = lanes<float>{} - 87.0f;
   x = x > hi ? hi : x;  // written so that a NaN, false in every comparison, passes through
   x = x < lo ? lo : x;
