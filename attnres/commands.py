@@ -19,17 +19,18 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def config_from_args(args, assignments=None, base=None, init_from: Path | None = None):
+def config_from_args(args, assignments=None, base=None, init_from: Path | None = None, comparison: bool = False):
     """The preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
     assignments (or ``assignments``) applied together: checked as one whole, so their order
     never matters, and a setting that would not be applied is refused. With ``init_from`` (a
     model folder, ``train --from``) the run trains that folder's model: it has no model section
     (a ``--set model.*`` is refused by name) and reads the folder's tokenizer unless
-    ``data.tokenizer`` is given (the bytes for a folder without one)."""
+    ``data.tokenizer`` is given (the bytes for a folder without one). ``comparison``: the config
+    a comparison's designs share (``validate.shared_part``)."""
     import dataclasses
 
     from .train.config import apply_overrides, preset
-    from .train.validate import check_given, check_hf_source, check_run
+    from .train.validate import check_given, check_hf_source, check_run, shared_part
 
     cfg = base or preset(args.preset)
     if assignments is None:
@@ -57,7 +58,7 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
-    check_run(cfg)
+    check_run(shared_part(cfg) if comparison else cfg)
     check_hf_source(cfg.data)
     check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not
     return cfg
@@ -107,11 +108,11 @@ def comparison_settings(args, init_from: Path | None = None):
         raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
                          f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
     if init_from is not None:
-        cfg = config_from_args(args, init_from=init_from)
+        cfg = config_from_args(args, init_from=init_from, comparison=True)
         designs, seeds = comparison_choice(args.preset, args.designs or ["source", "convert"], args.seeds)
         return cfg, designs, seeds, {}
     shared, overrides = split_residual_overrides(args.set or [])
-    cfg = config_from_args(args, shared)
+    cfg = config_from_args(args, shared, comparison=True)
     designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
     return cfg, designs, seeds, overrides
 

@@ -310,26 +310,40 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = None,
-                 query_lr_scale: float = 1.0) -> list[dict]:
+                 query_lr_scale: float = 1.0, routing_lr_scale: float = 1.0) -> list[dict]:
     """AdamW's parameter groups, each named (``"name"``: checkpoints match groups by it):
     ``decay``, the matrices; ``no_decay``, norms, gains, pseudo-queries, biases, gates and the
     other vectors a stream declares (``Stream.no_weight_decay``). With ``query_lr_scale != 1`` a
     third, ``query_projection``: the input-dependent queries' projections ``W_i`` (AttnRes
     ``query="input"``), decaying as matrices, with ``"lr_scale": query_lr_scale`` (the trainer
-    sets each group's learning rate to its ``lr_scale`` times the schedule's). Parameters that do
-    not require gradients are left out, and so are those not named in ``only`` (when given)."""
+    sets each group's learning rate to its ``lr_scale`` times the schedule's). With
+    ``routing_lr_scale != 1`` a ``routing`` group: every stream's routing parameters
+    (``Stream.routing_parameters``: pseudo-queries, key-norm gains, Delta's gates and null,
+    DenseFormer's and static mixing's weights, HC's, mHC's and GR's mixing; a converted model's
+    ``routing.*``, its routing being a stream), decaying as they would in the two groups above
+    (the vectors not at all), with ``"lr_scale": routing_lr_scale``. Parameters that do not
+    require gradients are left out, and so are those not named in ``only`` (when given)."""
     exempt: set[str] = set()
     scaled: set[str] = set()
+    routing: set[str] = set()
     for prefix, module in model.named_modules():
         if isinstance(module, Stream):
-            exempt |= {f"{prefix}.{n}" if prefix else n for n in module.no_weight_decay()}
+            name = (lambda n, prefix=prefix: f"{prefix}.{n}" if prefix else n)
+            exempt |= {name(n) for n in module.no_weight_decay()}
             if query_lr_scale != 1.0 and getattr(module, "query_proj", None) is not None:
-                scaled.add(f"{prefix}.query_proj" if prefix else "query_proj")
-    decay, no_decay, query = [], [], []
+                scaled.add(name("query_proj"))
+            if routing_lr_scale != 1.0:
+                routing |= {name(n) for n in module.routing_parameters()}
+    decay, no_decay, query, routed = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad or (only is not None and name not in only):
             continue
-        (query if name in scaled else no_decay if p.ndim < 2 or name in exempt else decay).append(p)
+        if name in scaled:
+            query.append(p)
+        elif name in routing:
+            routed.append(p)
+        else:
+            (no_decay if p.ndim < 2 or name in exempt else decay).append(p)
     groups = [
         {"name": "decay", "params": decay, "weight_decay": weight_decay},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
@@ -337,6 +351,22 @@ def param_groups(model: nn.Module, weight_decay: float, only: set[str] | None = 
     if scaled:
         groups.append({"name": "query_projection", "params": query, "weight_decay": weight_decay,
                        "lr_scale": query_lr_scale})
+    if routing:
+        groups += _routing_groups(model, routed, exempt, weight_decay, routing_lr_scale)
+    return groups
+
+
+def _routing_groups(model: nn.Module, routed: list, exempt: set[str], weight_decay: float,
+                    scale: float) -> list[dict]:
+    """The ``routing`` group of ``param_groups`` (its vectors and exempt parameters), and
+    ``routing_decay`` for a routing matrix (HC's dynamic projections, GR's low-rank layer) that
+    decays as the other matrices do, both at ``"lr_scale": scale``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = [p for p in routed if p.ndim < 2 or names[id(p)] in exempt]
+    matrices = [p for p in routed if not (p.ndim < 2 or names[id(p)] in exempt)]
+    groups = [{"name": "routing", "params": flat, "weight_decay": 0.0, "lr_scale": scale}]
+    if matrices:
+        groups.append({"name": "routing_decay", "params": matrices, "weight_decay": weight_decay, "lr_scale": scale})
     return groups
 
 
@@ -354,6 +384,7 @@ def match_param_groups(saved: list[dict], current: list[dict]) -> list[dict]:
     want = [g.get("name") for g in current]
     if sorted(by_name, key=str) != sorted(want, key=str) or len(by_name) != len(named):
         raise ValueError(f"the optimizer state holds the parameter groups {[g['name'] for g in named]}, the "
-                         f"model's optimizer {want} (optim.query_lr_scale of 1 or not decides whether the "
-                         f"query_projection group exists: resume with the run's own side of 1)")
+                         f"model's optimizer {want} (optim.query_lr_scale and optim.routing_lr_scale of 1 or not "
+                         f"decide whether the query_projection and routing groups exist: resume with the run's own "
+                         f"side of 1)")
     return [by_name[name] for name in want]

@@ -227,7 +227,7 @@ def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_p
     ("full:", r"design 'full:': '' is not field=value"),
     ("full:norm_eps=x", r"design 'full:norm_eps=x': norm_eps='x': expected a value of type float"),
     ("prenorm:heads=2", r"design 'prenorm:heads=2': 'heads' is not an option of 'prenorm' \(a prenorm design\); "
-                        r"it takes \['norm_eps', 'norm_eps_scale'\]"),
+                        r"it takes \['norm_eps', 'norm_eps_scale', 'lr'\]"),
     ("full:dim=64", r"'dim' is not an option of 'full'"),
     ("full:heads=2:heads=4", r"design 'full:heads=2:heads=4': 'heads' is given twice"),
     ("block:block_sizes=4,x", r"block_sizes='4,x': expected a comma list of int"),

@@ -258,7 +258,7 @@ def test_compare_from_pairs_a_conversion_with_its_control_and_measures_the_shock
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--designs", "source", "full"], "design 'full': under --from the designs are 'source'"),
+    (["--designs", "source", "full"], "design 'full': under --from the designs are 'source[:lr=X]'"),
     (["--designs", "convert"], "include the design 'source'"),
     (["--designs", "source", "convert:heads=3"], "design 'convert:heads=3': heads=3 must be a positive integer dividing"),
     (["--designs", "source", "convert:depth=2"], "'depth=2' is not an option"),
@@ -368,3 +368,22 @@ def test_finetune_runs_the_trainer_and_a_signal_reaches_its_caller(folders):
         finetune(model, tokens, steps=50, batch_size=2, seq_len=16,
                  on_step=lambda step, _model: os.kill(os.getpid(), signal.SIGINT))
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_routing_learning_rate_reaches_a_conversion_and_the_control_is_not_refused(folders, tmp_path):
+    """``optim.routing_lr_scale`` scales a converted folder's ``routing.*`` and is refused for a
+    source that has none; in ``compare --from`` a conversion carries it as an option of its own
+    and the control, the source as it is, trains at 1."""
+    plain = cli_in_process("train", "--from", folders["llama"], "--preset", "tiny", "--set", "optim.routing_lr_scale=10",
+                           "--run-dir", tmp_path / "plain")
+    assert plain.returncode == 2 and "has none: convert it first" in plain.stderr and not (tmp_path / "plain").exists()
+    run = tmp_path / "conv"
+    train_from(folders["conv"], run, "--set", "optim.routing_lr_scale=10", "--set", "run.steps=1")
+    assert json.loads((run / "config.json").read_text())["optim"]["routing_lr_scale"] == 10.0
+    label = "convert:heads=2:block_layers=1:routing_lr_scale=100"
+    root = compare_from(folders["llama"], tmp_path / "cmp", "--designs", "source", label, "--set", "run.steps=2",
+                        "--shock-steps", "2")
+    scales = {name: json.loads((root / name / "config.json").read_text())["optim"]["routing_lr_scale"]
+              for name in ("source", "convert+heads=2+block_layers=1+routing_lr_scale=100")}
+    assert scales == {"source": 1.0, "convert+heads=2+block_layers=1+routing_lr_scale=100": 100.0}
+    assert label in json.loads((root / "results.json").read_text())["designs"]

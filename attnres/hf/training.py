@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..analysis.comparison import label_path
+from ..streams import Stream
 from ..streams.delta import check_routing_options
 from ..train.designs import parse_folder_design
 from ..train.folder_model import FolderModel, check_fits
@@ -131,6 +132,7 @@ def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
     with torch.device("meta"):
         shape = AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in shape.parameters())  # a tied weight is one parameter
+    routing = sum(len(m.routing_parameters()) for m in shape.modules() if isinstance(m, Stream))
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -141,7 +143,7 @@ def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
 
     return FolderModel(path, config.model_type, config.vocab_size, config.max_position_embeddings, parameters,
                        config.router_aux_loss_coef if moe else None, build, decoder_layers, tokenizer,
-                       folder_digest(path))
+                       folder_digest(path), routing)
 
 
 def export_folder_run(run_dir: Path, out: Path, cfg, overwrite: bool = False, source: str | Path | None = None) -> dict:

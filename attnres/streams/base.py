@@ -256,6 +256,14 @@ class Stream(nn.Module):
         """Names (relative to the stream) of parameters kept out of weight decay."""
         return {n for n, p in self.named_parameters() if p.ndim < 2}
 
+    def routing_parameters(self) -> set[str]:
+        """Names (relative to the stream) of its routing parameters, what ``optim.routing_lr_scale``
+        scales: every parameter of the stream but its pre-norms' gains (``norms``, ``final_norm``,
+        the model's own norms, which PreNorm has too) and an input-dependent query's projection
+        (``query_proj``: ``optim.query_lr_scale``'s)."""
+        return {n for n, _ in self.named_parameters()
+                if not n.startswith(("norms.", "final_norm.")) and n != "query_proj"}
+
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_sublayers={self.num_sublayers}"
 

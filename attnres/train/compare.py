@@ -53,7 +53,7 @@ from .signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
 from .trainer import EVAL_SEED, train
 from .distributed import pick_device  # noqa: I001
-from .validate import check_backend, check_run, max_seed, window_problem
+from .validate import check_backend, check_run, max_seed, shared_part, window_problem
 
 @dataclass
 class Plan:
@@ -118,6 +118,12 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
     for label in designs:
         name, values = parse_folder_design(label)
         options[label] = {"design": name, **values}
+        if name == "source" and base.optim.routing_lr_scale != 1.0:
+            options[label]["routing_lr_scale"] = 1.0  # the control has no routing to scale
+        try:
+            check_run(dataclasses.replace(base, optim=dataclasses.replace(base.optim, **optim_fields(options[label]))))
+        except ValueError as err:
+            raise ValueError(f"design {label!r}: {err}") from None
         other = paths.setdefault(label_path(label).lower(), label)
         if other != label:
             raise ValueError(f"designs {other!r} and {label!r} would share the folder {label_path(label)!r}; "
@@ -138,7 +144,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
                     baseline: str | None, budgets=None, folders=None) -> Plan:
     """Every setting of a comparison checked before any work (``compare``'s arguments);
     ``folders`` for a comparison --from a folder (``plan_folder_comparison``)."""
-    check_run(base)
+    check_run(shared_part(base))
     budgets = None if budgets is None else check_budgets(budgets)
     if budgets is not None:
         if len(budgets) < 2:
@@ -172,6 +178,8 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
     device = pick_device(base.run.device)
     for label in designs:
         options[label] = design_options(base.model, label, overrides)
+        if options[label]["residual"] == "prenorm" and base.optim.routing_lr_scale != 1.0:
+            options[label]["routing_lr_scale"] = 1.0  # --set optim.routing_lr_scale: for the designs that route
         try:
             configs[label] = design_config(base.model, label, options=options[label])
             if "window" in options[label] and window_problem(configs[label]):  # given: a design has no window of its own

@@ -56,7 +56,8 @@ SAVED_BEFORE = {"data": {"decode_errors": "replace"}}
 class OptimConfig:
     """AdamW with warmup then ``cosine`` (to ``min_lr_ratio * lr``), ``wsd`` (warmup, stable,
     then linear decay over the last ``decay_fraction`` of steps) or ``constant``; every parameter
-    group's learning rate is its ``lr_scale`` (1 but for ``query_lr_scale``) times the schedule's."""
+    group's learning rate is its ``lr_scale`` (1 but for ``query_lr_scale`` and ``routing_lr_scale``)
+    times the schedule's."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -70,6 +71,11 @@ class OptimConfig:
     #: the input-dependent queries' projections' learning rate, as a multiple of the scheduled one
     #: (``model.query="input"`` only; ``model.param_groups``' ``query_projection`` group)
     query_lr_scale: float = 1.0
+    #: the routing parameters' learning rate, as a multiple of the scheduled one: pseudo-queries,
+    #: key-norm gains, Delta's gates, DenseFormer's and static mixing's weights, HC's, mHC's and
+    #: GR's mixing (``Stream.routing_parameters``; ``model.param_groups``' ``routing`` group);
+    #: a model without routing parameters (PreNorm, a folder's unconverted model) refuses it
+    routing_lr_scale: float = 1.0
 
 
 #: the data seed of batch ``index`` of a run seeded ``run.seed`` is ``seed * DATA_SEED_STRIDE +

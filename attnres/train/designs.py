@@ -31,7 +31,7 @@ def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str],
 BLOCK_SIZING = ("num_blocks", "block_size", "block_sizes")
 #: what a variant may set besides its design's residual options (the sizes stay shared): model
 #: fields, and optimizer fields (``OPTIM_VARIANT_FIELDS``, set in the variant's run's ``optim``)
-OPTIM_VARIANT_FIELDS = ("query_lr_scale",)
+OPTIM_VARIANT_FIELDS = ("lr", "query_lr_scale", "routing_lr_scale")
 VARIANT_FIELDS = ("norm_eps", "norm_eps_scale", *OPTIM_VARIANT_FIELDS)
 #: the characters a design's label may hold (folder names derive from it: ``label_path``)
 LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:=+-")
@@ -61,8 +61,10 @@ def parse_design(label: str) -> tuple[str, dict]:
     takes = {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
     hints = {**typing.get_type_hints(ModelConfig),
              **{f: t for f, t in typing.get_type_hints(OptimConfig).items() if f in OPTIM_VARIANT_FIELDS}}
-    # the optimizer's variant fields apply to what the kind has: the input query's learning rate
-    variants = [f for f in VARIANT_FIELDS if f not in OPTIM_VARIANT_FIELDS or "query" in takes]
+    # the optimizer's variant fields apply to what the kind has: the learning rate to every design,
+    # the input query's to a kind with input-dependent queries, the routing's to one with routing
+    applies = {"lr": True, "query_lr_scale": "query" in takes, "routing_lr_scale": kind != "prenorm"}
+    variants = [f for f in VARIANT_FIELDS if f not in OPTIM_VARIANT_FIELDS or applies[f]]
     options: dict = {}
     for part in parts:
         field, eq, value = part.partition("=")
@@ -82,18 +84,25 @@ def parse_design(label: str) -> tuple[str, dict]:
     return name, options
 
 
+#: the optimizer fields a design of ``compare --from`` may set: the learning rate (both), the
+#: routing's (a conversion: the source has no routing)
+FOLDER_OPTIM_FIELDS = {"source": ("lr",), "convert": ("lr", "routing_lr_scale")}
+
+
 def parse_folder_design(label: str) -> tuple[str, dict]:
     """``(design, options)`` of a design of ``compare --from``: ``source`` (the folder's model as
-    it is, the control; no options) or ``convert`` with ``heads`` and ``block_layers`` (those of
-    ``attnres convert``: one number of layers per block, or a comma list of each block's layers),
-    their defaults filled in::
+    it is, the control) or ``convert`` with ``heads`` and ``block_layers`` (those of ``attnres
+    convert``: one number of layers per block, or a comma list of each block's layers), their
+    defaults filled in; either with the optimizer fields ``FOLDER_OPTIM_FIELDS`` allows it::
 
         source                          ->  ("source", {})
         convert:heads=2:block_layers=1  ->  ("convert", {"heads": 2, "block_layers": 1})
         convert:block_layers=2,2        ->  ("convert", {"heads": 8, "block_layers": [2, 2]})
+        convert:routing_lr_scale=100    ->  ("convert", {"heads": 8, "block_layers": 4, "routing_lr_scale": 100.0})
 
     ``ValueError`` names the label and what is accepted for anything else (a native design)."""
-    accepted = "'source' (the control: the folder's model as it is) and 'convert[:heads=H][:block_layers=L]'"
+    accepted = ("'source[:lr=X]' (the control: the folder's model as it is) and "
+                "'convert[:heads=H][:block_layers=L][:lr=X][:routing_lr_scale=S]'")
     if not isinstance(label, str) or not label or set(label) - LABEL_CHARACTERS:
         raise ValueError(f"design {label!r}: under --from the designs are {accepted}")
     name, *parts = label.split(":")
@@ -104,10 +113,18 @@ def parse_folder_design(label: str) -> tuple[str, dict]:
     given = set()
     for part in parts:
         field, eq, value = part.partition("=")
-        if name == "source" or field not in CONVERT_DEFAULTS or not eq or field in given:
-            raise ValueError(f"design {label!r}: {part!r} is not an option; 'source' takes none, 'convert' takes "
-                             f"heads=H and block_layers=L (a number, or a comma list of each block's layers), once each")
+        takes = FOLDER_OPTIM_FIELDS[name] + (tuple(CONVERT_DEFAULTS) if name == "convert" else ())
+        if field not in takes or not eq or field in given:
+            raise ValueError(f"design {label!r}: {part!r} is not an option; 'source' takes lr=X, 'convert' takes "
+                             f"heads=H and block_layers=L (a number, or a comma list of each block's layers), lr=X "
+                             f"and routing_lr_scale=S, once each")
         given.add(field)
+        if field in FOLDER_OPTIM_FIELDS[name]:
+            try:
+                options[field] = float(value)
+            except ValueError:
+                raise ValueError(f"design {label!r}: {field}={value!r} must be a number") from None
+            continue
         try:
             numbers = [int(v) for v in value.split(",")]
         except ValueError:

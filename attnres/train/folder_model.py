@@ -41,7 +41,9 @@ class FolderModel:
     one before the whole (its decoder layers); ``tokenizer``: the folder's tokenizer (an object
     with ``encode(text) -> list[int]``), or None when it has none; ``digest``: the folder's
     digest as it was read (``source_digest.folder_digest``; None for a model handed over in
-    memory), which a run records."""
+    memory), which a run records; ``routing_parameters``: how many routing parameters it has (a
+    conversion's ``routing.*``, an export's stream's; 0 for a plain source), which
+    ``optim.routing_lr_scale`` needs."""
 
     folder: Path
     architecture: str
@@ -53,6 +55,7 @@ class FolderModel:
     fsdp_units: Callable[[nn.Module], list[nn.Module]]
     tokenizer: object | None = None
     digest: dict | None = None
+    routing_parameters: int = 0
 
     def describe(self) -> dict:
         """What ``summary.json`` records of the model: its folder, architecture and sizes, and its
@@ -109,7 +112,8 @@ class FolderExperts:
 
 def check_fits(cfg, folder: FolderModel | None) -> None:
     """A run with ``init_from`` (a ``TrainConfig``) is handed that folder's model, whose context
-    holds ``run.seq_len``, which has the tokenizer ``data.tokenizer='model'`` asks for and, when
+    holds ``run.seq_len``, which has routing parameters where ``optim.routing_lr_scale`` scales
+    them, which has the tokenizer ``data.tokenizer='model'`` asks for and, when
     the run recorded the folder's digest (``init_from_digest``), whose files are the ones it
     recorded; a run without one is handed none."""
     if cfg.init_from is None:
@@ -128,6 +132,10 @@ def check_fits(cfg, folder: FolderModel | None) -> None:
     if cfg.run.seq_len > folder.max_positions:
         raise ValueError(f"run.seq_len={cfg.run.seq_len} exceeds the context of the model in {folder.folder} "
                          f"(max_position_embeddings={folder.max_positions})")
+    if cfg.optim.routing_lr_scale != 1.0 and not folder.routing_parameters:
+        raise ValueError(f"optim.routing_lr_scale={cfg.optim.routing_lr_scale} scales the learning rate of the "
+                         f"routing parameters, and the model in {folder.folder} ({folder.architecture}) has none: "
+                         f"convert it first (attnres convert), or leave the setting out")
     if cfg.data.tokenizer == "model" and folder.tokenizer is None:
         raise ValueError(f"data.tokenizer='model' reads the tokenizer of {folder.folder}, which holds none: "
                          f"use data.tokenizer='byte' for a model of 256 or more byte tokens")

@@ -109,7 +109,7 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
     sharded one through DCP (``sharded.load_sharded``), a one-process one into one process as it
     was saved, or into each rank's part (``sharded.load_full``, ``distributed``). Each group's
     learning-rate scale is the run's settings', not the checkpoint's: a resume with another
-    ``optim.query_lr_scale`` trains at the new one."""
+    ``optim.query_lr_scale`` or ``optim.routing_lr_scale`` trains at the new one."""
     state = point.state
     scales = {g.get("name"): g.get("lr_scale") for g in optimizer.param_groups}
     try:

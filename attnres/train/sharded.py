@@ -245,15 +245,15 @@ def read_weights(path: Path, config: ModelConfig | None, model: nn.Module | None
 def full_optimizer_names(config: ModelConfig | None, optim, model: nn.Module | None = None) -> list[str]:
     """The whole model's parameter names in the order one process's optimizer numbers them
     (``param_groups`` for the ``OptimConfig`` ``optim``: the decaying ones, then the others, then
-    any scaled query projections), for a ``Transformer`` of ``config``, or (``config`` None) for
-    ``model`` itself, a folder's model every rank holds whole or in shards of the same names."""
-    if config is None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        return [names[id(p)] for group in param_groups(model, optim.weight_decay) for p in group["params"]]
-    with torch.device("meta"):
-        model = Transformer(config, initialize=False)
+    any scaled query projections and routing parameters), for a ``Transformer`` of ``config``,
+    or (``config`` None) for ``model`` itself, a folder's model every rank holds whole or in
+    shards of the same names."""
+    if config is not None:
+        with torch.device("meta"):
+            model = Transformer(config, initialize=False)
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = param_groups(model, optim.weight_decay, query_lr_scale=optim.query_lr_scale)
+    groups = param_groups(model, optim.weight_decay, query_lr_scale=optim.query_lr_scale,
+                          routing_lr_scale=optim.routing_lr_scale)
     return [names[id(p)] for group in groups for p in group["params"]]
 
 

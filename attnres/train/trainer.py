@@ -153,7 +153,8 @@ def build_optimizer(cfg: OptimConfig, model: Transformer) -> torch.optim.Optimiz
     """AdamW over ``param_groups`` (no weight decay on norms, biases and routing vectors; the
     input-dependent queries' projections in a group of their own when their learning rate is
     scaled)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, query_lr_scale=cfg.query_lr_scale), lr=cfg.lr,
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, query_lr_scale=cfg.query_lr_scale,
+                                          routing_lr_scale=cfg.routing_lr_scale), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2))
 
 

@@ -109,6 +109,7 @@ FIELDS: dict[str, Range | Choice] = {
     "optim.decay_fraction": Range(0, 1),
     "optim.grad_clip": Range(0, low_open=True),
     "optim.query_lr_scale": Range(0, low_open=True),
+    "optim.routing_lr_scale": Range(0, low_open=True),
     "run.steps": _count(),
     "run.batch_size": _count(),
     "run.seq_len": _count(),
@@ -185,9 +186,17 @@ def check_folder_run(cfg: TrainConfig) -> None:
                          f"attnres's own models; a run that continues a folder's model (--from) has none")
 
 
+def shared_part(cfg: TrainConfig) -> TrainConfig:
+    """A comparison's shared config as ``check_run`` checks it: its ``optim.routing_lr_scale``
+    applies to the designs that route, each design's run checked with it, not to the preset's
+    model, which no design is (it may be PreNorm's, which has no routing)."""
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, routing_lr_scale=1.0))
+
+
 def check_agreement(cfg: TrainConfig) -> None:
     """The batch splits into the micro-steps, a sequence fits the model's context, a scaled
-    query learning rate has input-dependent queries to scale, the device is one torch knows."""
+    query learning rate has input-dependent queries to scale and a scaled routing one routing
+    parameters, the device is one torch knows."""
     r, m = cfg.run, cfg.model
     if r.batch_size % r.grad_accum:
         raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
@@ -198,6 +207,9 @@ def check_agreement(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
                          f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
                          f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
+    if m is not None and cfg.optim.routing_lr_scale != 1.0 and m.residual == "prenorm":
+        raise ValueError(f"optim.routing_lr_scale={cfg.optim.routing_lr_scale} scales the learning rate of the "
+                         f"routing parameters, and model.residual='prenorm' has none (its stream is a running sum)")
     top = max_seed(r.steps)
     if r.seed > top:
         raise ValueError(f"run.seed={r.seed} must be an integer in [0, {top}]: each step's data seed, "
