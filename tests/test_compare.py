@@ -314,8 +314,11 @@ def test_paired_intervals_and_verdicts_match_a_written_out_computation(compariso
 
     text = write_report(tmp_path).read_text()
     results = json.loads((tmp_path / "results.json").read_text())
+    summary = json.loads((tmp_path / "prenorm-seed0" / "summary.json").read_text())
     assert results["baseline"] == "prenorm" and results["designs"]["prenorm"] == {
-        "val_loss": {"0": 3.0, "1": 3.1, "2": 2.9}, "val_loss_mean": pytest.approx(3.0), "val_loss_sd": pytest.approx(0.1)}
+        "val_loss": {"0": 3.0, "1": 3.1, "2": 2.9}, "val_loss_mean": pytest.approx(3.0), "val_loss_sd": pytest.approx(0.1),
+        "tokens_per_parameter": summary["tokens"] / summary["parameters"]}
+    assert results["data_sha256"] == summary["data_sha256"]
     rows = table_rows(text, columns=8)
     for design, verdict, words in [("block", "better", "better"), ("mhar", "worse", "worse"),
                                    ("hc", "unresolved", "not resolved")]:

@@ -160,7 +160,7 @@ def test_export_writes_a_sharded_run_as_a_hugging_face_folder(runs, tmp_path):
     tokens = torch.randint(0, 256, (2, 16))
     assert torch.equal(loaded(tokens).logits, model(tokens))
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
-    with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
+    with pytest.raises(ValueError, match=r"exists and is not empty \(a model folder\); pass --overwrite"):
         export_run(runs / "saved", tmp_path / "hf")
 
 

@@ -386,4 +386,19 @@ def test_the_routing_learning_rate_reaches_a_conversion_and_the_control_is_not_r
     scales = {name: json.loads((root / name / "config.json").read_text())["optim"]["routing_lr_scale"]
               for name in ("source", "convert+heads=2+block_layers=1+routing_lr_scale=100")}
     assert scales == {"source": 1.0, "convert+heads=2+block_layers=1+routing_lr_scale=100": 100.0}
-    assert label in json.loads((root / "results.json").read_text())["designs"]
+    results = json.loads((root / "results.json").read_text())
+    # the conversion's routing movement, recomputed here from its folder and the run's last checkpoint
+    from safetensors.torch import load_file
+
+    start = load_file(str(root / "models" / "convert+heads=2+block_layers=1+routing_lr_scale=100" / "model.safetensors"))
+    run_dir = root / "convert+heads=2+block_layers=1+routing_lr_scale=100"
+    end = load_file(str(sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
+    changes = torch.cat([(end.get(n, end.get(f"lm.{n}")).double() - t.double()).abs().flatten()
+                         for n, t in start.items() if n.startswith("routing.")])
+    movement = results["designs"][label]["routing_movement"]
+    assert movement["max_abs"] == pytest.approx(float(changes.max()), rel=1e-12) and movement["max_abs"] > 0
+    assert movement["mean_abs"] == pytest.approx(float(changes.mean()), rel=1e-12)
+    assert "routing_movement" not in results["designs"]["source"]  # the control has no routing
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert results["data_sha256"] == summary["data_sha256"]
+    assert results["designs"][label]["tokens_per_parameter"] == summary["tokens"] / summary["parameters"]

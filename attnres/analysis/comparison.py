@@ -204,17 +204,37 @@ def unequal_tokens(designs: dict[str, list[dict]], baseline: str) -> dict[str, d
     return out
 
 
+def data_digest(runs: list[dict]) -> str | list[str] | None:
+    """``results.json``'s ``data_sha256``: the digest of the tokens the runs read (their
+    summaries'), a sorted list of them when they read different data (a comparison continued
+    with ``--allow-mixed-data``), None when no run recorded one."""
+    digests = sorted({r["summary"]["data_sha256"] for r in runs if r["summary"].get("data_sha256")})
+    return None if not digests else digests[0] if len(digests) == 1 else digests
+
+
+def tokens_per_parameter(runs: list[dict]) -> float | None:
+    """A design's training tokens over its parameters (its first run's ``summary.json``: every
+    seed trains as many of each), the regime a comparison measures; None without the counts."""
+    summary = runs[0]["summary"] if runs else {}
+    if not summary.get("tokens") or not summary.get("parameters"):
+        return None
+    return summary["tokens"] / summary["parameters"]
+
+
 def comparison_results(designs: dict[str, list[dict]], baseline: str) -> dict:
-    """What ``results.json`` holds: every design's final validation loss per seed, and for each
+    """What ``results.json`` holds: the digest of the tokens the runs read (``data_sha256``),
+    every design's final validation loss per seed and its tokens per parameter, and for each
     design but the baseline its paired difference to the baseline (``analysis.stats``), only
     where every pair saw the same training tokens (else ``unequal_tokens``, no difference)."""
     base = final_losses(designs[baseline])
     unequal = unequal_tokens(designs, baseline)
-    out = {"baseline": baseline, "designs": {}}
+    out = {"baseline": baseline, "data_sha256": data_digest([r for runs in designs.values() for r in runs]),
+           "designs": {}}
     for name, runs in designs.items():
         losses = final_losses(runs)
         mean, sd = mean_and_sd(list(losses.values()))
-        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": sd}
+        entry = {"val_loss": losses, "val_loss_mean": mean, "val_loss_sd": sd,
+                 "tokens_per_parameter": tokens_per_parameter(runs)}
         if name in unequal:
             entry.update(diff_mean=None, ci95=None, verdict="unequal tokens", unequal_tokens=unequal[name])
         elif name != baseline:
@@ -255,6 +275,20 @@ def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dic
             entries[name]["step_time_ratio"] = ratio
             entries[name]["step_time_ratio_range"] = times[name]["ratio_range"]
     return out, entries
+
+
+def movement_results(designs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Design -> its routing's movement over its runs (``analysis.json``'s ``routing_movement``,
+    ``train.routing_movement``: a conversion of ``compare --from``): the largest change over the
+    seeds, the mean of their mean changes, and each seed's."""
+    out = {}
+    for name, runs in designs.items():
+        seeds = {str(r["seed"]): r["analysis"]["routing_movement"] for r in runs
+                 if r["analysis"] and r["analysis"].get("routing_movement")}
+        if seeds:
+            out[name] = {"max_abs": max(m["max_abs"] for m in seeds.values()),
+                         "mean_abs": sum(m["mean_abs"] for m in seeds.values()) / len(seeds), "seeds": seeds}
+    return out
 
 
 @dataclass
@@ -306,6 +340,8 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
 
         for name, entry in shock_results(designs, baseline, index.get("shock_steps") or 0).items():
             results["designs"][name]["shock"] = entry
+        for name, entry in movement_results(designs).items():
+            results["designs"][name]["routing_movement"] = entry
         downstream = downstream_results(Path(compare_dir), designs, baseline)
         if downstream is not None:
             results["downstream"] = downstream

@@ -30,10 +30,17 @@ def shock_section(c: Comparison, plt) -> list[str]:
              "(the standard deviation of its loss changes); each the largest over the seeds. A largest difference "
              "within the noise is no shock. The figure's second panel draws each conversion's loss minus the control's, "
              "step by step, against the control's noise (shaded).", "",
-             "| design | step-0 difference | largest difference | control's noise |", "|---|---|---|---|"]
+             "The routing's movement: the largest and the mean absolute change of the conversion's routing "
+             "parameters from their identity initialization to the end of the run (the largest over the seeds, "
+             "the mean of their means); a routing that barely moved makes \"no shock\" a statement about a model "
+             "that stayed its source (`optim.routing_lr_scale` moves it further).", "",
+             "| design | step-0 difference | largest difference | control's noise | routing moved (largest) | "
+             "routing moved (mean) |", "|---|---|---|---|---|---|"]
     for name, s in shocks.items():
         noise = "" if s["control_noise"] is None else f"{s['control_noise']:.4f}"
-        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.3g} | {noise} |")
+        moved = c.results["designs"][name].get("routing_movement")
+        movement = f"{moved['max_abs']:.3g} | {moved['mean_abs']:.3g}" if moved else " | "
+        lines.append(f"| {name} | {s['step0_diff']:.3g} | {s['max_abs_diff']:.3g} | {noise} | {movement} |")
     return [*lines, "", "![the first steps](first_steps.png)", ""]
 
 

@@ -365,7 +365,8 @@ def _budget_section(c: Comparison, plt) -> list[str]:
 
 def _depth_weights_section(c: Comparison, plt) -> list[str]:
     """One heatmap of depth weights per design that routes over depth."""
-    heat = [(n, rs[0]["analysis"]) for n, rs in c.designs.items() if rs[0]["analysis"] and rs[0]["analysis"]["depth_weights"]]
+    heat = [(n, rs[0]["analysis"]) for n, rs in c.designs.items()
+            if rs[0]["analysis"] and rs[0]["analysis"].get("depth_weights")]
     if not heat:
         return []
     lines = ["## Depth weights", "",

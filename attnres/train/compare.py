@@ -48,6 +48,7 @@ from .data import batch_at, load_corpus
 from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
 from .lock import FolderLock
 from .machine import machine
+from .routing_movement import routing_movement
 from .run_dir import RUN_FILES
 from .signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
@@ -479,5 +480,7 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
     if folder is None:
         x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
         (run_dir / "analysis.json").write_text(json.dumps(capture_analysis(model, x)))
+    elif (movement := routing_movement(folder.folder, run_dir)) is not None:  # a conversion's routing
+        (run_dir / "analysis.json").write_text(json.dumps({"routing_movement": movement}))
     log(f"{name}: validation loss {summary['final_val_loss']:.4f}")
     return entry
