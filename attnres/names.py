@@ -27,7 +27,7 @@ CONVERT_DEFAULTS = {"heads": 8, "block_layers": 4}
 DEFAULT_DESIGNS = ("prenorm", "block", "mhar", "full", "mhc", "gr")
 
 #: the training presets, each made by the function of its name in ``train/config.py``
-PRESET_NAMES = ("tiny", "demo", "small", "study", "ablations")
+PRESET_NAMES = ("tiny", "demo", "small", "study", "ablations", "regime")
 #: the rows of the AttnRes paper's ablation table (its Table 4) that run at the study's size, as
 #: designs of a comparison (docs/RESULTS.md maps each to its row): the baseline, Full and its
 #: switches, Block (8 blocks of 2 sublayers) and its switches, the block-size sweep and the

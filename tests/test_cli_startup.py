@@ -48,7 +48,7 @@ def fresh_cli(cwd, *args):
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["generate"], 2, "the following arguments are required: run_dir"),
     (["convert", "a", "b", "--block-layers", "2,x"], 2, "'2,x' is not a number or a comma list of numbers"),
-    (["train", "--preset", "huge"], 2, r"unknown preset 'huge'; expected one of \['ablations', 'demo', 'small'"),
+    (["train", "--preset", "huge"], 2, r"unknown preset 'huge'; expected one of \['ablations', 'demo', 'regime', 'small'"),
     (["compare", "--preset", "huge", "--designs", "full"], 2, "unknown preset 'huge'"),
     (["compare", "--designs", "prenorm", "fulll"], 2, rf"design 'fulll': unknown design 'fulll'; expected one of {DESIGNS}"),
     (["compare", "--designs", "fulll:norm_eps=1e-12"], 2, "unknown design 'fulll'"),

@@ -514,3 +514,20 @@ def test_differences_too_small_for_four_decimals_are_written_in_scientific_notat
     from attnres.analysis.report import _signed
 
     assert _signed(value) == text
+
+
+def test_the_regime_preset_trains_twenty_tokens_per_parameter_without_repeating_its_data():
+    """The papers' regime (docs/RESULTS.md): at least 20 tokens per parameter, and the compute
+    ladder's largest budget (3) samples its prefix of the corpus at most once on average."""
+    from attnres.model import Transformer
+    from attnres.train.config import preset
+    from attnres.train.validate import check_run
+
+    cfg = preset("regime")
+    params = sum(p.numel() for p in Transformer(cfg.model).parameters())
+    tokens = cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len
+    assert params == 246_576 and 20 <= tokens / params < 21
+    assert 3 * tokens <= cfg.data.max_train_tokens / 3
+    study = preset("study")
+    assert cfg.optim.warmup_steps / cfg.run.steps == pytest.approx(study.optim.warmup_steps / study.run.steps, abs=5e-4)
+    check_run(cfg)

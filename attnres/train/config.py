@@ -195,6 +195,24 @@ def study() -> TrainConfig:
     )
 
 
+REGIME_STEPS = 2420
+
+
+def regime() -> TrainConfig:
+    """The papers' regime at a size two CPU cores can ladder (docs/RESULTS.md, "The papers'
+    regime"): the study's depth and sequence at width 48 (2 heads of 24), 246,576 parameters,
+    trained on 20.1 byte tokens per parameter (2420 steps of 16 x 128), warm-up the same 4% of the
+    steps as the study's, from a 48M-token prefix of the corpus (three times the largest budget
+    run's tokens, so no run samples a byte more than about once). About 3 minutes a run."""
+    return TrainConfig(
+        model=_model(dim=48, n_layers=8, n_heads=2, max_seq_len=128),
+        data=DataConfig(max_train_tokens=48_000_000, max_val_tokens=400_000),
+        optim=OptimConfig(lr=3e-3, warmup_steps=100),
+        run=RunConfig(steps=REGIME_STEPS, batch_size=16, seq_len=128, eval_every=REGIME_STEPS // 4,
+                      eval_batches=24, log_every=10),
+    )
+
+
 def ablations() -> TrainConfig:
     """The size of ``attnres compare --preset ablations``: the study's (``study``), so that its
     PreNorm, Block and Full runs are the study's own, bit for bit. Its designs are
