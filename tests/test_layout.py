@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attnres"
 # text) and moe.py import nothing of the package;
 # the model's config reads the streams' options and MoE's balance rules, and model builds on its config,
 # its decoding (generation.py: the KV cache, sampling) and its MLPs
-LAYERS = ["cache|files|names|eval_tasks", "ops", "streams", "moe", "model_config|generation", "model", "analysis", "train",
+LAYERS = ["cache|files|names|eval_tasks|architectures", "ops", "streams", "moe", "model_config|generation", "model", "analysis", "train",
           "hf|serving", "commands", "cli|__main__|__init__"]
 #: the longest a function or method of the package may be, decorators and docstring included
 MAX_FUNCTION_LINES = 100
