@@ -1,6 +1,7 @@
 // The CPU kernels' interface: the argument structures and entry points of depth_attention_cpu.cpp
-// and multi_stream_cpu.cpp, which cpu_ops.cpp (the attnres:: operators) fills and calls. Plain C++,
-// no PyTorch headers, as the kernel files themselves.
+// and multi_stream_cpu.cpp, which cpu_ops.cpp (the attnres:: operators) fills and calls; and the
+// vectors and the dot product both kernel files compute with (at the end). Plain C++, no PyTorch
+// headers, as the kernel files themselves.
 //
 // Every entry point is a template over F, the type of all its floating-point arrays, instantiated
 // for float and double in its kernel file. The equations and layouts are in the kernel files;
@@ -9,10 +10,9 @@
 
 #include <cstdint>
 
-// The width in bytes of the kernels' vectors (depth_attention_cpu.cpp's Vec, multi_stream_cpu.cpp's
-// LANES): one register of the instruction set the build compiles for (cpu_build.py's
-// ATTNRES_CPU_ISA, -march): 64 with AVX-512, else 32 (AVX2; a pair of 16-byte registers on SSE
-// and NEON).
+// The width in bytes of the kernels' vectors (Vec's and LANES's, below): one register of the
+// instruction set the build compiles for (ops/backends/cpu_build.py's ATTNRES_CPU_ISA, -march): 64
+// with AVX-512, else 32 (AVX2; a pair of 16-byte registers on SSE and NEON).
 #ifndef ATTNRES_VEC_BYTES
 #if defined(__AVX512F__)
 #define ATTNRES_VEC_BYTES 64
@@ -151,5 +151,103 @@ template <typename F>
 void sinkhorn_forward(int64_t B, int64_t n, int64_t iterations, const F* x, F* p, int threads);
 template <typename F>
 void sinkhorn_backward(int64_t B, int64_t n, int64_t iterations, const F* x, const F* gp, F* dx, int threads);
+
+
+// -- the vectors and the dot product of both kernel files ------------------------------------------
+
+// A vector of B bytes of F (GCC's and Clang's vector extension), loaded from and stored to
+// unaligned memory.
+template <typename F, int B>
+struct VecOf {
+  typedef F type __attribute__((vector_size(B)));
+};
+template <typename F, int B>
+using Vec = typename VecOf<F, B>::type;
+
+template <typename F, int B>
+inline Vec<F, B> load(const F* p) {
+  Vec<F, B> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename F, int B>
+inline void store(F* p, Vec<F, B> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+// Whether rows of n numbers are whole vectors of ATTNRES_VEC_BYTES when that is wider than 32
+// bytes: the depth kernels' choice of vector (a function of the shapes alone), below.
+template <typename F>
+inline bool wide(int64_t n) {
+  return ATTNRES_VEC_BYTES > 32 && n % (ATTNRES_VEC_BYTES / int64_t(sizeof(F))) == 0;
+}
+
+// The numbers of F in one register (ATTNRES_VEC_BYTES): 16 fp32 or 8 fp64 with AVX-512.
+template <typename F>
+constexpr int LANES = ATTNRES_VEC_BYTES / sizeof(F);
+
+// The sum of LANES partial sums: halves added pairwise, the same order every call.
+template <typename F>
+inline F lane_sum(F* acc) {
+  for (int h = LANES<F> / 2; h > 0; h /= 2)
+    for (int w = 0; w < h; ++w) acc[w] += acc[w + h];
+  return acc[0];
+}
+
+// The order in which a dot product adds its terms, which fixes its bits. Each kernel file keeps
+// the order it was tuned and checked with, as its other kernels must reproduce it:
+enum class DotOrder {
+  // depth_attention_cpu.cpp: four chains of vectors of B bytes (one accumulator would wait on
+  // the latency of every add), ATTNRES_VEC_BYTES where n is a whole number of them (`wide`), else
+  // 32 (a head of 24 numbers would run one 16-wide vector and a scalar tail of 8, where 8-wide
+  // vectors cover it whole); the chains added (s0 + s1) + (s2 + s3), the result's lanes summed in
+  // order, then the terms past the last whole vector one by one. Every logit is such a dot
+  // (head_logit), so that a logit computed again in backward has the bits forward computed.
+  chains,
+  // multi_stream_cpu.cpp: one chain of LANES lanes, the terms past the last whole vector added
+  // to lanes 0, 1, ..., the lanes summed by lane_sum's tree: what its blocked products of many
+  // pairs (`dots`) compute, so that a product gives the same bits in either.
+  lanes,
+};
+
+template <typename F, int B>
+inline F dot_chains(const F* a, const F* b, int64_t n) {
+  constexpr int64_t W = B / sizeof(F);
+  Vec<F, B> s0 = {}, s1 = {}, s2 = {}, s3 = {};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    s0 += load<F, B>(a + i) * load<F, B>(b + i);
+    s1 += load<F, B>(a + i + W) * load<F, B>(b + i + W);
+    s2 += load<F, B>(a + i + 2 * W) * load<F, B>(b + i + 2 * W);
+    s3 += load<F, B>(a + i + 3 * W) * load<F, B>(b + i + 3 * W);
+  }
+  for (; i + W <= n; i += W) s0 += load<F, B>(a + i) * load<F, B>(b + i);
+  const Vec<F, B> s = (s0 + s1) + (s2 + s3);
+  F acc = 0;
+  for (int64_t k = 0; k < W; ++k) acc += s[k];
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+template <typename F>
+inline F dot_lanes(const F* a, const F* b, int64_t n) {
+  constexpr int W = LANES<F>;
+  F acc[W] = {};
+  int64_t d = 0;
+  for (; d + W <= n; d += W)
+    for (int w = 0; w < W; ++w) acc[w] += a[d + w] * b[d + w];
+  for (int w = 0; d < n; ++d, ++w) acc[w] += a[d] * b[d];
+  return lane_sum(acc);
+}
+
+// a . b over n numbers, its terms added in the order O
+template <DotOrder O, typename F>
+inline F dot(const F* a, const F* b, int64_t n) {
+  if constexpr (O == DotOrder::chains)
+    return wide<F>(n) ? dot_chains<F, ATTNRES_VEC_BYTES>(a, b, n) : dot_chains<F, 32>(a, b, n);
+  else
+    return dot_lanes(a, b, n);
+}
 
 }  // namespace attnres::cpu

@@ -31,66 +31,24 @@ using attnres::cpu::DepthArgs;
 using attnres::cpu::MergeArgs;
 using attnres::cpu::SourceGradArgs;
 
-// Vectors of B bytes (GCC/Clang vector extensions) for the dot products and weighted sums, whose
-// partial sums an array would keep in memory: ATTNRES_VEC_BYTES (cpu_kernels.h: one AVX-512 or
-// AVX2 register) where the row's length is a multiple of such a vector, else 32 bytes (a head of
-// 24 numbers, MHAR's at the demo size, would run one 16-wide vector and a scalar tail of 8, where
-// 8-wide vectors cover it whole). `wide` says which; the choice is a function of the shapes alone.
-template <typename F, int B>
-struct VecOf {
-  typedef F type __attribute__((vector_size(B)));
-};
-template <typename F, int B>
-using Vec = typename VecOf<F, B>::type;
-
-template <typename F>
-inline bool wide(int64_t n) {
-  return ATTNRES_VEC_BYTES > 32 && n % (ATTNRES_VEC_BYTES / int64_t(sizeof(F))) == 0;
-}
-
-template <typename F, int B>
-inline Vec<F, B> load(const F* p) {  // unaligned
-  Vec<F, B> v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename F, int B>
-inline void store(F* p, Vec<F, B> v) {  // unaligned
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-
-// Four independent partial sums: one accumulator would wait on the latency of every add.
-template <typename F, int B>
-inline F dot_in(const F* a, const F* b, int64_t n) {
-  constexpr int64_t W = B / sizeof(F);
-  Vec<F, B> s0 = {}, s1 = {}, s2 = {}, s3 = {};
-  int64_t i = 0;
-  for (; i + 4 * W <= n; i += 4 * W) {
-    s0 += load<F, B>(a + i) * load<F, B>(b + i);
-    s1 += load<F, B>(a + i + W) * load<F, B>(b + i + W);
-    s2 += load<F, B>(a + i + 2 * W) * load<F, B>(b + i + 2 * W);
-    s3 += load<F, B>(a + i + 3 * W) * load<F, B>(b + i + 3 * W);
-  }
-  for (; i + W <= n; i += W) s0 += load<F, B>(a + i) * load<F, B>(b + i);
-  const Vec<F, B> s = (s0 + s1) + (s2 + s3);
-  F acc = 0;
-  for (int64_t k = 0; k < W; ++k) acc += s[k];
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-template <typename F>
-inline F dot(const F* a, const F* b, int64_t n) {
-  return wide<F>(n) ? dot_in<F, ATTNRES_VEC_BYTES>(a, b, n) : dot_in<F, 32>(a, b, n);
-}
+// The dot products and weighted sums run on vectors of B bytes (cpu_kernels.h's Vec), whose
+// partial sums an array would keep in memory: ATTNRES_VEC_BYTES (one AVX-512 or AVX2 register)
+// where the row's length is a multiple of such a vector, else 32 bytes (`wide` says which). A dot
+// product adds its terms in DotOrder::chains (cpu_kernels.h).
+using attnres::cpu::dot;
+using attnres::cpu::DotOrder;
+using attnres::cpu::load;
+using attnres::cpu::store;
+using attnres::cpu::Vec;
+using attnres::cpu::wide;
+constexpr DotOrder kDot = DotOrder::chains;
 
 // The logit of head h of a query row qg against a source row v with inverse RMS r (1 without
 // the key norm): r (qg[h] . v[h]). Every kernel scores through it, so that a logit computed
 // again (backward, source_grad) has the bits forward computed.
 template <typename F>
 inline F head_logit(const F* qg, const F* v, F r, int64_t h, int64_t dh) {
-  return r * dot(qg + h * dh, v + h * dh, dh);
+  return r * dot<kDot>(qg + h * dh, v + h * dh, dh);
 }
 
 template <typename F>
@@ -114,7 +72,7 @@ inline F sigmoid(F x) {
 // gain; y may be x). Returns rr.
 template <typename F>
 F norm_row(const F* x, const F* w, F eps, int64_t D, F* y) {
-  const F rr = F(1) / std::sqrt(dot(x, x, D) / F(D) + eps);
+  const F rr = F(1) / std::sqrt(dot<kDot>(x, x, D) / F(D) + eps);
   if (w) {
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) y[d] = (x[d] * rr) * w[d];
@@ -334,7 +292,7 @@ void backward(const DepthArgs& a) {
       for (int64_t j = 0; j < N; ++j)
         for (int64_t s = 0; s < S; ++s)
           for (int64_t h = 0; h < H; ++h)
-            gv[(j * S + s) * H + h] = g[s] ? dot(g[s] + h * dh, rows[j] + h * dh, dh) : F(0);
+            gv[(j * S + s) * H + h] = g[s] ? dot<kDot>(g[s] + h * dh, rows[j] + h * dh, dh) : F(0);
       // d logit: softmax p (g . v_j - g . out + g_lse); sigmoid (g . v_j) p (1 - p)
       for (int64_t s = 0; s < S; ++s) {
         for (int64_t h = 0; h < H; ++h) {
@@ -455,7 +413,7 @@ void merge_forward(const MergeArgs& a) {
       const F* P = static_cast<const F*>(a.partial) + t * D;
       const F* o1 = static_cast<const F*>(a.o1) + t * D;
       F* h = a.h ? static_cast<F*>(a.h) + t * D : local.data();
-      const F r = a.key_norm ? F(1) / std::sqrt(dot(P, P, D) / F(D) + F(a.eps)) : F(1);
+      const F r = a.key_norm ? F(1) / std::sqrt(dot<kDot>(P, P, D) / F(D) + F(a.eps)) : F(1);
       if (a.r) static_cast<F*>(a.r)[t] = r;
       for (int64_t k = 0; k < H; ++k) {
         const F s2 = head_logit(qg, P, r, k, dh);
@@ -513,10 +471,10 @@ void merge_backward(const MergeArgs& a) {
         const F w = static_cast<const F*>(a.w)[t * H + k];
         F ds2, keep_o1, keep_P;  // d s2, and the weights of g in d o1 and d P
         if (a.sigmoid) {
-          ds2 = dot(gk, Pk, dh) * w * (F(1) - w);
+          ds2 = dot<kDot>(gk, Pk, dh) * w * (F(1) - w);
           keep_o1 = F(1), keep_P = w;
         } else {  // dz = w (1 - w) g . (o1 - P) = (1 - w) g . (h - P), z = lse1 - s2
-          const F dz = (dot(gk, h + k * dh, dh) - dot(gk, Pk, dh)) * (F(1) - w);
+          const F dz = (dot<kDot>(gk, h + k * dh, dh) - dot<kDot>(gk, Pk, dh)) * (F(1) - w);
           if (a.d_lse1) static_cast<F*>(a.d_lse1)[t * H + k] = dz;
           ds2 = -dz;
           keep_o1 = w, keep_P = F(1) - w;
@@ -556,7 +514,7 @@ void decode_read(int64_t tokens, int64_t D, int64_t heads, int64_t n, const F* s
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t j = 0; j < n; ++j) {
         const F* v = src + j * src_stride + t * D;
-        const F r = key_norm ? F(1) / std::sqrt(dot(v, v, D) / F(D) + eps) : F(1);
+        const F r = key_norm ? F(1) / std::sqrt(dot<kDot>(v, v, D) / F(D) + eps) : F(1);
         for (int64_t h = 0; h < heads; ++h) p[j * heads + h] = head_logit(qg, v, r, h, Dh);
       }
       for (int64_t h = 0; h < heads; ++h) {

@@ -36,34 +36,19 @@
 
 namespace {
 
-// Lanes of a chunk: one vector register of F of the instruction set the build compiles for
-// (ATTNRES_VEC_BYTES, cpu_kernels.h: 64 bytes with AVX-512, 16 fp32 or 8 fp64; 32 bytes with
+// Lanes of a chunk: LANES (cpu_kernels.h), one vector register of F of the instruction set the
+// build compiles for (ATTNRES_VEC_BYTES: 64 bytes with AVX-512, 16 fp32 or 8 fp64; 32 bytes with
 // AVX2). Wider chunks than the registers cost more than they save: their shuffles and
 // conversions are not single instructions there, and the Sinkhorn and gated kernels ran 3 to 4
 // times slower on AVX2 with 64-byte chunks. Sums over d run in LANES independent chains, added in
-// a fixed tree at the end, so that the compiler vectorizes them (the order of a float sum is
-// otherwise fixed, and one chain waits on every add).
-template <typename F>
-constexpr int LANES = ATTNRES_VEC_BYTES / sizeof(F);
-
-// sum over lanes: halves added pairwise, the same order every call
-template <typename F>
-inline F lane_sum(F* acc) {
-  for (int h = LANES<F> / 2; h > 0; h /= 2)
-    for (int w = 0; w < h; ++w) acc[w] += acc[w + h];
-  return acc[0];
-}
-
-template <typename F>
-inline F dot(const F* a, const F* b, int64_t n) {
-  constexpr int W = LANES<F>;
-  F acc[W] = {};
-  int64_t d = 0;
-  for (; d + W <= n; d += W)
-    for (int w = 0; w < W; ++w) acc[w] += a[d + w] * b[d + w];
-  for (int w = 0; d < n; ++d, ++w) acc[w] += a[d] * b[d];
-  return lane_sum(acc);
-}
+// a fixed tree at the end (lane_sum), so that the compiler vectorizes them (the order of a float
+// sum is otherwise fixed, and one chain waits on every add): a dot product adds its terms in
+// DotOrder::lanes (cpu_kernels.h).
+using attnres::cpu::dot;
+using attnres::cpu::DotOrder;
+using attnres::cpu::lane_sum;
+using attnres::cpu::LANES;
+constexpr DotOrder kDot = DotOrder::lanes;
 
 template <typename F>
 struct Lanes;  // one vector of LANES F (GCC's and Clang's vector extension)
@@ -134,7 +119,7 @@ inline void fold_levels(lanes<F>* v, int count) {
 
 // out[i * os + j] = dot(a_i, b_j, D) for i < NA, j < NB, with a_i = a + i * as and b_j = b + j * bs:
 // every pair in one pass over d (each a_i and b_j chunk loaded once for all pairs), with the
-// same lanes and tree as `dot`, so that it gives dot's numbers. The sums are vectors, kept in
+// same lanes and tree as DotOrder::lanes, so that it gives dot's numbers. The sums are vectors, kept in
 // registers across the chunks where they fit (n = 4: 16 vectors, in AVX-512's 32 registers or
 // spilling some of AVX2's 16) and their lanes are summed together (`fold`).
 template <typename F, int NA, int NB>
@@ -207,7 +192,7 @@ inline void dots_any(const F* a, int64_t as, int64_t na, const F* b, int64_t bs,
     dots<F, NA, NB>(a, as, b, bs, D, out, os);
   } else {
     for (int64_t i = 0; i < na; ++i)
-      for (int64_t j = 0; j < nb; ++j) out[i * os + j] = dot(a + i * as, b + j * bs, D);
+      for (int64_t j = 0; j < nb; ++j) out[i * os + j] = dot<kDot>(a + i * as, b + j * bs, D);
   }
 }
 
@@ -664,7 +649,7 @@ void rms_norm_forward(int64_t rows, int64_t D, const F* x, const F* w, F eps, F*
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const F* xr = x + r * D;
-    const F q = F(1) / std::sqrt(dot(xr, xr, D) / F(D) + eps);
+    const F q = F(1) / std::sqrt(dot<kDot>(xr, xr, D) / F(D) + eps);
     rr[r] = q;
     F* yr = y + r * D;
     for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * q * w[d];
@@ -691,7 +676,7 @@ void rms_norm_backward(int64_t rows, int64_t D, const F* x, const F* w, const F*
       if (acc)
         for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * xn[d];
       if (dx) {
-        const F m = dot(dxn.data(), xn.data(), D) / F(D);
+        const F m = dot<kDot>(dxn.data(), xn.data(), D) / F(D);
         F* o = dx + r * D;
         for (int64_t d = 0; d < D; ++d) o[d] = (dxn[d] - xn[d] * m) * q;
       }
