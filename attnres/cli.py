@@ -20,7 +20,8 @@ import sys
 import threading
 
 from . import commands
-from .files import pause_at
+from .architectures import SOURCES, titles
+from .signals import pause_at
 from .names import CONVERT_DEFAULTS, CORPUS_NAMES, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS, PRESET_NAMES
 
 
@@ -159,7 +160,7 @@ def _add_train(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")
     p.add_argument("--from", dest="init_from", metavar="MODEL_DIR",
                    help="continue training the model of a Hugging Face folder (attnres convert or export, or a "
-                        "Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder); the preset gives optim, run and data")
+                        f"{titles()} folder); the preset gives optim, run and data")
     _add_source(p, "--resume: the new place of the folder the run started from (--from)")
     p.set_defaults(fn=commands.cmd_train, loads=("attnres.train.trainer",))
 
@@ -185,7 +186,9 @@ def _add_report(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a local Llama/Mistral/Qwen2/Qwen3 model to Delta AttnRes")
+    # the help names the dense sources only (convert takes the mixtures of experts too)
+    dense = titles(source for source in SOURCES.values() if not source.moe)
+    p = sub.add_parser("convert", help=f"convert a local {dense} model to Delta AttnRes")
     p.add_argument("src", help="folder of the Hugging Face model")
     p.add_argument("dst", help="folder to write the converted model to")
     p.add_argument("--heads", type=int, default=CONVERT_DEFAULTS["heads"], help="depth-attention heads (default: %(default)s)")

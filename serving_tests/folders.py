@@ -30,13 +30,13 @@ NATIVE = {
     "gr": {"residual": "gr"},
     "block-moe": {"residual": "block", "block_size": 2, "moe_experts": 4, "moe_top_k": 2},
 }
-#: converted sources served in the tests -> their transformers classes' names and options
+#: converted sources served in the tests (``architectures.SOURCES``'s model types) -> their
+#: configurations' options
 CONVERTED = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                            "moe_intermediate_size": 128}),
+    "llama": {},
+    "qwen3": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
 }
 
 
@@ -100,15 +100,16 @@ def converted_folder(source: str, folder: Path) -> Path:
     """A random ``source`` model (``CONVERTED``) converted by ``attnres convert``."""
     import transformers
 
+    from attnres.architectures import SOURCES
     from attnres.hf import convert_checkpoint
     from attnres.hf.tokenizer import byte_tokenizer
 
     torch.manual_seed(0)
-    config_name, model_name, options = CONVERTED[source]
-    config = getattr(transformers, config_name)(
+    architecture = SOURCES[source]
+    config = getattr(transformers, architecture.config_class)(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, initializer_range=0.1, **options)
-    base = getattr(transformers, model_name)(config)
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, initializer_range=0.1, **CONVERTED[source])
+    base = getattr(transformers, architecture.causal_lm_class)(config)
     src = folder.parent / f"{folder.name}-source"
     base.save_pretrained(src)
     byte_tokenizer().save_pretrained(src)

@@ -14,6 +14,7 @@ with the Auto classes when ``attnres.hf`` is imported.
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from pathlib import Path
 
@@ -25,29 +26,22 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.models.llama import LlamaConfig, LlamaForCausalLM
-from transformers.models.mistral import MistralConfig, MistralForCausalLM
-from transformers.models.mixtral import MixtralConfig, MixtralForCausalLM
-from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from .. import architectures
 from ..files import read_json, replace_folder
 from ..streams import DeltaAttnResStream
 from ..streams.delta import check_routing_options, converted_routing
 from .destination import TOKENIZER_FILES, check_destination, held
 
-SOURCES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "mixtral": (MixtralConfig, MixtralForCausalLM),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-}
-#: sources whose layers all take one mask: causal, or sliding-window when ``sliding_window`` is set
-#: (the others list each layer's kind in ``layer_types``)
-ONE_MASK = ("mistral", "mixtral", "qwen3_moe")
+
+def _source_classes(source: architectures.Source) -> tuple[type, type]:
+    module = importlib.import_module(source.transformers_module)
+    return getattr(module, source.config_class), getattr(module, source.causal_lm_class)
+
+
+#: the source architectures (``architectures.SOURCES``) -> their ``transformers`` configuration
+#: and causal LM classes
+SOURCES = {model_type: _source_classes(source) for model_type, source in architectures.SOURCES.items()}
 
 
 class DeltaRoutingForCausalLM:
@@ -65,7 +59,7 @@ class DeltaRoutingForCausalLM:
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       cache=cache, position_ids=position_ids)
         n = self.config.num_hidden_layers
-        if self.config.model_type.removeprefix("attnres_") in ONE_MASK:
+        if architectures.SOURCES[self.config.model_type.removeprefix("attnres_")].one_mask:
             fn = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
             return [fn(**kwargs)] * n
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * n
@@ -108,12 +102,12 @@ class DeltaRoutingForCausalLM:
 
 def _make_classes(source: str):
     config_cls, model_cls = SOURCES[source]
-    name = config_cls.__name__.replace("Config", "")
+    architecture = architectures.SOURCES[source]
 
-    config = strict(type(f"AttnRes{name}Config", (config_cls,), {
+    config = strict(type(f"AttnRes{architecture.config_class}", (config_cls,), {
         "__module__": __name__,
         "__annotations__": {"delta_heads": int, "delta_block_layers": int | list[int]},
-        "model_type": f"attnres_{source}",
+        "model_type": architecture.converted_type,
         "delta_heads": 8,
         "delta_block_layers": 4,
         "__doc__": f"{config_cls.__name__} plus the Delta AttnRes routing: delta_heads, delta_block_layers.",
@@ -129,7 +123,7 @@ def _make_classes(source: str):
         else:
             model_cls._init_weights(self, module)
 
-    model = type(f"AttnRes{name}ForCausalLM", (DeltaRoutingForCausalLM, model_cls), {
+    model = type(architecture.converted_class, (DeltaRoutingForCausalLM, model_cls), {
         "__module__": __name__,
         "config_class": config,
         "__init__": __init__,

@@ -11,35 +11,36 @@ back as a folder of the architecture it came from, with the source folder's toke
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from .. import architectures
 from ..analysis.comparison import label_path
 from ..streams import Stream
 from ..streams.delta import check_routing_options
 from ..train.designs import parse_folder_design
 from ..train.folder_model import FolderModel, check_fits
 from ..train.source_digest import check_source, folder_digest
-from .convert import CONVERTED, SOURCES, convert_checkpoint, save_with_tokenizer
+from .convert import convert_checkpoint, save_with_tokenizer
 from .destination import check_destination, held
 
-#: the folder model types whose forward returns a router's balance loss
-MOE_TYPES = ("mixtral", "qwen3_moe", "attnres_mixtral", "attnres_qwen3_moe")
+#: the folder model types whose forward returns a router's balance loss: the MoE sources and their conversions
+MOE_TYPES = (*(s.model_type for s in architectures.SOURCES.values() if s.moe),
+             *(s.converted_type for s in architectures.SOURCES.values() if s.moe))
 #: what a checkpoint calls the folder's model: its weights are named ``lm.<the folder's names>``
 PREFIX = "lm."
 
 
 def balance_loss_function(model_type: str):
     """The source architecture's own balance loss (Switch Transformer's, over every MoE layer's
-    router logits), from its ``transformers`` module."""
-    if model_type.removeprefix("attnres_") == "mixtral":
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-    else:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-    return load_balancing_loss_func
+    router logits), from its ``transformers`` module (``Source.balance_loss``) for a source's
+    ``model_type`` or its conversion's."""
+    module, _, function = architectures.SOURCES[model_type.removeprefix("attnres_")].balance_loss.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class FolderLM(nn.Module):
@@ -99,7 +100,7 @@ def read_config(path: Path, given: str = "--from"):
 
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ValueError(f"{given} {path}: not a model folder (no config.json); give a Hugging Face model's folder "
-                         f"(attnres convert, attnres export, or a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE folder)")
+                         f"(attnres convert, attnres export, or a {architectures.titles()} folder)")
     if (path / "checkpoints").is_dir():
         raise ValueError(f"{given} {path} is a training run's folder: continue it with attnres train --resume "
                          f"--run-dir {path}, or export it first (attnres export {path} OUT)")
@@ -107,7 +108,7 @@ def read_config(path: Path, given: str = "--from"):
         config = AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, KeyError) as exc:
         raise ValueError(f"{given} {path}: its config.json does not load ({str(exc).splitlines()[0][:200]})") from None
-    accepted = (*SOURCES, *(f"attnres_{s}" for s in CONVERTED), "attnres")
+    accepted = (*architectures.SOURCES, *(s.converted_type for s in architectures.SOURCES.values()), "attnres")
     if config.model_type not in accepted:
         raise ValueError(f"{given} {path}: model_type={config.model_type!r}; train --from takes {sorted(accepted)}")
     if config.model_type == "attnres" and config.model_config().moe_experts:
@@ -202,9 +203,9 @@ class ComparisonFolders:
         past its context, its tokenizer when it has none); a conversion keeps both."""
         source = folder_model(self.source)
         check_fits(dataclasses.replace(base, init_from=str(self.source)), source)
-        if self.config.model_type not in SOURCES:
+        if self.config.model_type not in architectures.SOURCES:
             raise ValueError(f"--from {self.source}: model_type={self.config.model_type!r}; a comparison converts its "
-                             f"source, one of {sorted(SOURCES)} (attnres convert's)")
+                             f"source, one of {sorted(architectures.SOURCES)} (attnres convert's)")
         for label, values in options.items():
             if values["design"] == "convert":
                 given = {part.partition("=")[0] for part in label.split(":")[1:]}

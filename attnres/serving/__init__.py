@@ -20,11 +20,12 @@ older ``transformers`` (README, "Serving").
 
 from __future__ import annotations
 
+from ..architectures import SOURCES
+
 #: the architectures the plugin serves -> the class vLLM builds, as ``module:Class``
 ARCHITECTURES = {
     "AttnResForCausalLM": "attnres.serving.native:AttnResForCausalLM",
-    **{f"AttnRes{name}ForCausalLM": f"attnres.serving.converted:AttnRes{name}ForCausalLM"
-       for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen3Moe")},
+    **{source.converted_class: f"attnres.serving.converted:{source.converted_class}" for source in SOURCES.values()},
 }
 
 

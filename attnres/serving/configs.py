@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import transformers
 
-#: converted model types -> the ``transformers`` configuration of their source
-SOURCES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-           "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
+from ..architectures import SOURCES
 
 
 class AttnResConfig(transformers.PretrainedConfig):
@@ -24,12 +22,14 @@ class AttnResConfig(transformers.PretrainedConfig):
     model_type = "attnres"
 
 
-#: model type -> its configuration class
+#: model type -> its configuration class (a converted type's: its source's ``transformers``
+#: configuration, ``architectures.SOURCES``, with the converted ``model_type``)
 CONFIGS = {"attnres": AttnResConfig}
-for _source, _name in SOURCES.items():
-    CONFIGS[f"attnres_{_source}"] = globals()[f"AttnRes{_name}"] = type(f"AttnRes{_name}", (getattr(transformers, _name),), {
+for _source in SOURCES.values():
+    _name = _source.config_class
+    CONFIGS[_source.converted_type] = globals()[f"AttnRes{_name}"] = type(f"AttnRes{_name}", (getattr(transformers, _name),), {
         "__module__": __name__,
-        "model_type": f"attnres_{_source}",
+        "model_type": _source.converted_type,
         "__doc__": f"{_name} plus the Delta AttnRes routing: delta_heads, delta_block_layers.",
     })
 

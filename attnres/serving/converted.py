@@ -14,22 +14,19 @@ import importlib
 
 import torch
 
+from ..architectures import SOURCES, Source
 from ..streams.delta import converted_routing
 
-#: the converted architectures -> (vLLM's module of the source, its causal LM class)
-SOURCE_MODELS = {
-    "Llama": ("llama", "LlamaForCausalLM"),
-    "Mistral": ("mistral", "MistralForCausalLM"),
-    "Qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "Mixtral": ("mixtral", "MixtralForCausalLM"),
-    "Qwen3Moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-}
+#: the converted architectures' class names -> their source (``architectures.SOURCES``)
+SOURCE_MODELS = {source.converted_class: source for source in SOURCES.values()}
 
 
 class DeltaRouting:
     """The forward pass shared by every converted architecture (mixed into vLLM's causal LM of
     its source, whose ``__init__`` builds the base model)."""
+
+    #: the attribute of vLLM's decoder layer that holds its MLP or sparse MoE block (``Source.vllm_mlp``)
+    mlp_attribute = "mlp"
 
     def _init_routing(self, vllm_config) -> None:
         parallel = vllm_config.parallel_config
@@ -51,31 +48,29 @@ class DeltaRouting:
             h = layer.input_layernorm(routing.read(state, 2 * l)[0])
             state = routing.write(state, 2 * l, layer.self_attn(positions=positions, hidden_states=h)[None])
             h = layer.post_attention_layernorm(routing.read(state, 2 * l + 1)[0])
-            mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Mixtral's name
-            state = routing.write(state, 2 * l + 1, mlp(h)[None])
+            state = routing.write(state, 2 * l + 1, getattr(layer, self.mlp_attribute)(h)[None])
         return base.norm(routing.output(state)[0])
 
 
-def _make_class(name: str) -> type:
-    module, source = SOURCE_MODELS[name]
-    base = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), source)
+def _make_class(source: Source) -> type:
+    base = getattr(importlib.import_module(source.vllm_module), source.causal_lm_class)
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         self._init_routing(vllm_config)
 
-    return type(f"AttnRes{name}ForCausalLM", (DeltaRouting, base), {
+    return type(source.converted_class, (DeltaRouting, base), {
         "__module__": __name__,
         "__init__": __init__,
-        "__doc__": f"vLLM's {source} with Delta AttnRes routing around its sublayers.",
+        "mlp_attribute": source.vllm_mlp,
+        "__doc__": f"vLLM's {source.causal_lm_class} with Delta AttnRes routing around its sublayers.",
     })
 
 
 def __getattr__(name: str):
     """``AttnRes<Source>ForCausalLM``, built when vLLM asks for it (the plugin registers the
     ``module:Class`` form, so only the served source's vLLM module is imported)."""
-    source = name.removeprefix("AttnRes").removesuffix("ForCausalLM")
-    if source in SOURCE_MODELS and name == f"AttnRes{source}ForCausalLM":
-        cls = globals()[name] = _make_class(source)
+    if name in SOURCE_MODELS:
+        cls = globals()[name] = _make_class(SOURCE_MODELS[name])
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,12 +15,12 @@ import os
 import sys
 from pathlib import Path
 
+from ..architectures import SOURCES
 from ..train.run_dir import is_run_config
 from . import ARCHITECTURES
 
 #: the architectures ``attnres convert`` converts from, which vLLM serves with its own models
-SOURCE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SOURCE_ARCHITECTURES = tuple(source.causal_lm_class for source in SOURCES.values())
 #: what ``attnres serve`` serves: the plugin's architectures and the sources
 SERVED = (*ARCHITECTURES, *SOURCE_ARCHITECTURES)
 
