@@ -231,7 +231,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .train.signals import exit_status
+    from .signals import exit_status
     from .train.sweep import Sweep, check_not_set, parse_over, resume_sweep, run_sweep
 
     refuse_mixed_data_without_resume(args, "sweep")

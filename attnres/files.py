@@ -7,12 +7,10 @@ import itertools
 import json
 import os
 import shutil
-import signal
-import sys
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
+
+from .signals import cleaned_up_on_signals, pause_at, signals_held
 
 
 def require(value, fields: dict, where: str) -> None:
@@ -72,17 +70,6 @@ def read_jsonl(path: Path, fields=None) -> list:
 PARTIAL, OLD = "partial", "old"
 
 
-def pause_at(point: str) -> None:
-    """With ``ATTNRES_PAUSE_AT=POINT``, stop there: ``attnres: paused at POINT`` on stderr, then
-    wait for a signal. A test sends its signal at a known point this way (of the command line's
-    start-up, ``cli.PAUSE_POINTS``; while a folder is half written, ``written``), not after a
-    guessed delay."""
-    if os.environ.get("ATTNRES_PAUSE_AT") == point:
-        print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
-        while True:
-            signal.pause()
-
-
 def umask() -> int:
     """The process's umask (read without changing it where Linux says it)."""
     try:
@@ -137,37 +124,6 @@ def remove_stale(dst: Path) -> list[Path]:
     return removed
 
 
-class Terminated(SystemExit):
-    """SIGTERM while a folder is written: the command ends with status 143 once its temporary
-    folder is removed."""
-
-
-@contextmanager
-def cleaned_up_on_signals():
-    """While inside, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``Terminated`` (exit 143),
-    so that ``finally`` blocks run (a temporary folder removed) before the command exits: by
-    default SIGTERM ends the process where it stands. Only the main thread can handle signals;
-    elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated(128 + signum)
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    except Terminated:
-        print("attnres: terminated (SIGTERM); the folder being written was removed", file=sys.stderr)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
 def replace_folder(dst: Path, fill) -> None:
     """``fill(folder)`` into a temporary folder beside ``dst``, renamed to ``dst`` when complete
     (an old ``dst`` removed only then): an interrupted write leaves ``dst`` as it was, and no
@@ -184,11 +140,8 @@ def replace_folder(dst: Path, fill) -> None:
             fill(tmp)
             follow_umask(tmp)
             pause_at("written")
-            signals = {signal.SIGINT, signal.SIGTERM}
-            blocked = threading.current_thread() is threading.main_thread()
-            if blocked:  # the swap runs whole: no signal between taking the old dst away and the new one's rename
-                signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-            try:
+            # the swap runs whole: no signal between taking the old dst away and the new one's rename
+            with signals_held():
                 if dst.exists():
                     old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{OLD}-{os.getpid()}-", dir=dst.parent))
                     os.replace(dst, old / dst.name)
@@ -196,9 +149,6 @@ def replace_folder(dst: Path, fill) -> None:
                     shutil.rmtree(old)
                 else:
                     os.replace(tmp, dst)
-            finally:
-                if blocked:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         finally:
             if tmp is not None and tmp.exists():
                 shutil.rmtree(tmp)

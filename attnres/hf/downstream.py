@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ..analysis.comparison import label_path, load_index
 from ..analysis.report import write_report
-from ..files import Terminated, read_json
+from ..files import read_json
 from ..train.compare import write_index
-from ..train.signals import Raising
+from ..signals import Raising, Terminated
 from .evaluate import evaluate
 from .export import export_run
 

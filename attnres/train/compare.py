@@ -50,7 +50,7 @@ from .lock import FolderLock
 from .machine import machine
 from .routing_movement import routing_movement
 from .run_dir import RUN_FILES
-from .signals import Signals, exit_status
+from ..signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
 from .trainer import EVAL_SEED, train
 from .distributed import pick_device  # noqa: I001

@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from ..model import Transformer, lm_loss, param_groups
+from ..signals import Signals, exit_status
 from . import distributed as dist
 from . import lock
+from .agreed_signal import agreed_signal
 from .checkpoint import latest_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict
 from .data import Corpus, batch_at, check_length, load_corpus
@@ -47,7 +49,6 @@ from .resources import check_memory, peak_memory_mib
 from .stage_local import parameter_count, rank_footprint
 from .resume import restore, resume_point, save
 from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
-from .signals import Signals, agreed_signal, exit_status
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 from .validate import check_backend, check_run
 
