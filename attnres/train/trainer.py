@@ -12,7 +12,7 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
    model needs (``resources.check_memory``), then the processes (``start_processes``), every
    rank told of any refusal (``_prepare``);
 3. ``start``: the model, wrapped for data parallelism or cut into pipeline stages
-   (``build_model``), and the optimizer; ``restore`` (``resume=True``): the checkpoint's
+   (``build_model``), and the optimizer (each part made in ``train/run_start.py``); ``restore`` (``resume=True``): the checkpoint's
    weights, optimizer, RNG and statistics; only then does ``--overwrite`` remove the old run's
    files (``run_dir.remove_run``), and a refusal before this point leaves the folder as it was;
 4. ``run_steps``: each optimizer step (``train_step``), logged, evaluated (``evaluate``) and
@@ -24,30 +24,29 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..model import Transformer, lm_loss, param_groups
+from ..model import Transformer, lm_loss
 from ..signals import Signals, exit_status
 from . import distributed as dist
 from . import lock
 from .agreed_signal import agreed_signal
 from .checkpoint import latest_checkpoint
-from .config import OptimConfig, TrainConfig, to_dict
-from .data import Corpus, batch_at, check_length, load_corpus
-from .folder_model import FolderExperts, FolderModel, check_fits, check_tokens, logits_of
+from .config import TrainConfig, to_dict
+from .data import Corpus, batch_at
+from .folder_model import FolderExperts, FolderModel, check_fits, logits_of
 from .machine import machine
-from .materialize import rank_model
 from .parallel_plan import ParallelPlan, run_plan
-from .pipeline import Groups, Pipeline, build_pipeline, pipeline_groups
+from .pipeline import Pipeline
 from .resources import check_memory, peak_memory_mib
 from .stage_local import parameter_count, rank_footprint
 from .resume import restore, resume_point, save
+from .run_start import Placement, autocast_for, build_model, build_optimizer, load_data, start_processes
 from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 from .validate import check_backend, check_run
@@ -76,95 +75,7 @@ class TrainResult:
         return exit_status(self.signal)
 
 
-# -- 2. start --------------------------------------------------------------------------------
-
-@dataclass
-class Placement:
-    """Where this process runs: the job's ``plan`` (``parallel_plan.ParallelPlan``), this
-    process's rank and device (``info``) and its part of every batch, data-parallel rank
-    ``dp_rank`` of ``dp_size`` (the ranks of one pipeline share their copy's part); in a
-    pipeline, its groups on the plan's ``(dp, pp)`` mesh (``pipeline.Groups``)."""
-
-    plan: ParallelPlan
-    info: dist.DistInfo
-    dp_rank: int
-    dp_size: int
-    groups: Groups | None = None
-
-
-def start_processes(cfg: TrainConfig, plan: ParallelPlan) -> Placement:
-    """The process group (under torchrun) and, for a pipeline, the plan's device mesh."""
-    info = dist.setup(cfg.run.device)
-    if not plan.pipelined:
-        return Placement(plan, info, info.rank, info.world_size)
-    groups = pipeline_groups(plan, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
-    return Placement(plan, info, groups.replica_index, groups.replica_count, groups)
-
-
-def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
-              folder: FolderModel | None = None) -> tuple[TrainConfig, Corpus]:
-    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``; the
-    tokenizer of the ``folder`` a run continues, ``data.tokenizer='model'``), and ``cfg`` with
-    the corpus's vocabulary size (a folder's model keeps its own, which must hold every token);
-    both splits hold a sequence."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if folder is not None:
-        corpus = corpus or load_corpus(cfg.data, folder.vocab_size, bpe_dir=run_dir, tokenizer=folder.tokenizer)
-        check_tokens(cfg.data, corpus, folder)
-    else:
-        corpus = corpus or load_corpus(cfg.data, cfg.model.vocab_size, bpe_dir=run_dir)
-        if corpus.vocab_size != cfg.model.vocab_size:
-            cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.vocab_size))
-    check_length(corpus.train, cfg.run.seq_len, "training")
-    check_length(corpus.val, cfg.run.seq_len, "validation")
-    return cfg, corpus
-
-
-def build_model(cfg: TrainConfig, place: Placement,
-                folder: FolderModel | None = None) -> tuple[nn.Module, nn.Module, nn.Module, Pipeline | None]:
-    """``(model, wrapped, forward, pipe)``: the model, initialized from ``run.seed`` on this
-    process's device (one process's values under every layout; a distributed rank builds it on
-    the meta device and materializes only its part, ``materialize.rank_model``); ``wrapped`` in
-    DDP/FSDP2 when data parallel (the model itself in a pipeline); ``forward``, what a
-    micro-batch's loss runs through (``wrapped``, compiled with ``run.compile``); ``pipe``, this
-    rank's stages of the pipeline, or None. A ``folder``'s model (``train --from``) is read
-    whole by every rank, with the folder's weights (FSDP2 then keeps each rank's shards)."""
-    r, device, plan = cfg.run, place.info.device, place.plan
-    if folder is not None:
-        torch.manual_seed(r.seed)  # what the folder's model draws (a router's jitter, dropout) follows the seed
-        model = folder.build(torch.device("cpu") if plan.wrapping == "fsdp" else device)
-        wrapped = dist.wrap(model, plan.wrapping, folder.fsdp_units(model) if plan.wrapping == "fsdp" else None)
-        return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
-    # FSDP2 moves each module it shards to the device and keeps the shard: the part waits on the host
-    if plan.pipelined:
-        part = plan.part(plan.pipeline_rank(place.info.rank))
-        model = rank_model(cfg.model, r.seed, part, "cpu" if plan.shards_stages else device)
-        pipe = build_pipeline(model, plan, place.groups, device)
-        return model, model, model, pipe
-    if place.info.distributed:
-        model = rank_model(cfg.model, r.seed, plan.part(0), "cpu" if plan.wrapping == "fsdp" else device)
-    else:
-        torch.manual_seed(r.seed)
-        model = Transformer(cfg.model).to(device)
-    wrapped = dist.wrap(model, plan.wrapping)
-    return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
-
-
-def build_optimizer(cfg: OptimConfig, model: Transformer) -> torch.optim.Optimizer:
-    """AdamW over ``param_groups`` (no weight decay on norms, biases and routing vectors; the
-    input-dependent queries' projections in a group of their own when their learning rate is
-    scaled)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, query_lr_scale=cfg.query_lr_scale,
-                                          routing_lr_scale=cfg.routing_lr_scale), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2))
-
-
-def autocast_for(device: torch.device, setting: str) -> Callable:
-    """A context factory: bf16 autocast on CUDA with ``run.autocast=auto``, nothing otherwise."""
-    if device.type == "cuda" and setting == "auto":
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext
-
+# -- 3. start --------------------------------------------------------------------------------
 
 @dataclass
 class Run:
