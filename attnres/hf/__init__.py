@@ -14,7 +14,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .convert import CONVERTED, SOURCES, convert, convert_checkpoint, freeze_base, register, routing_parameters
-from .native import AttnResConfig, AttnResForCausalLM
+from .reference_lm import AttnResConfig, AttnResForCausalLM
 from .tokenizer import byte_tokenizer
 
 AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)

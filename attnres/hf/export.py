@@ -94,7 +94,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     inside the run, under a file or holding files (without ``overwrite``). ``format``: one of
     ``FORMATS``; ``llama`` takes PreNorm runs only (``llama_config``). ``source``: for a run that
     continued a folder's model, the place that folder moved to (``--source``)."""
-    from .native import AttnResConfig, AttnResForCausalLM
+    from .reference_lm import AttnResConfig, AttnResForCausalLM
     from .tokenizer import byte_tokenizer
 
     if format not in FORMATS:

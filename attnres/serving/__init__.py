@@ -6,7 +6,7 @@ known to vLLM's ``ModelRegistry`` in the lazy ``"module:Class"`` form, so that n
 model code is imported before a model is built:
 
 - ``AttnResForCausalLM``: attnres's own model (``attnres export`` folders and
-  ``AttnResForCausalLM.save_pretrained``), every residual design (``native``);
+  ``AttnResForCausalLM.save_pretrained``), every residual design (``exported``);
 - ``AttnRes<Source>ForCausalLM``: ``attnres convert``'s Delta AttnRes models, vLLM's own layers
   of the source architecture with our routing between them (``converted``).
 
@@ -24,7 +24,7 @@ from ..architectures import SOURCES
 
 #: the architectures the plugin serves -> the class vLLM builds, as ``module:Class``
 ARCHITECTURES = {
-    "AttnResForCausalLM": "attnres.serving.native:AttnResForCausalLM",
+    "AttnResForCausalLM": "attnres.serving.exported:AttnResForCausalLM",
     **{source.converted_class: f"attnres.serving.converted:{source.converted_class}" for source in SOURCES.values()},
 }
 
