@@ -1,5 +1,6 @@
 """The package's shape, checked: no duplicated code, streams that never name a backend, imports
-that point one way from every module, and no function longer than ``MAX_FUNCTION_LINES``."""
+that point one way from every module, no function longer than ``MAX_FUNCTION_LINES`` and no module
+longer than ``MAX_MODULE_LINES``, and a line for every module in docs/ARCHITECTURE.md's tree."""
 
 import ast
 import subprocess
@@ -21,6 +22,9 @@ LAYERS = ["cache|files|names|eval_tasks|architectures|signals", "ops", "streams"
           "hf|serving", "commands", "cli|__main__|__init__"]
 #: the longest a function or method of the package may be, decorators and docstring included
 MAX_FUNCTION_LINES = 100
+#: the longest a module of the package may be, in lines
+MAX_MODULE_LINES = 500
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
 
 
 def modules(folder: str):
@@ -146,3 +150,70 @@ def test_the_length_check_counts_a_long_function():
     body = "\n".join(f"    x{k} = {k}" for k in range(MAX_FUNCTION_LINES))
     tree = ast.parse(f"@staticmethod\ndef f():\n{body}\n\ndef g():\n    return 1\n")
     assert long_functions(tree, MAX_FUNCTION_LINES) == [("f", 1, MAX_FUNCTION_LINES + 2)]
+
+
+def lines_over(path: Path, limit: int) -> int | None:
+    """The number of lines of the module at ``path`` when it holds more than ``limit``, else None."""
+    lines = len(path.read_text().splitlines())
+    return lines if lines > limit else None
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_is_longer_than_the_limit(path):
+    """Every module of the package fits in ``MAX_MODULE_LINES`` lines: a longer one holds more than
+    one job, and one of them goes into a module of its own."""
+    lines = lines_over(path, MAX_MODULE_LINES)
+    assert lines is None, f"{path.relative_to(PACKAGE)} has {lines} lines, over {MAX_MODULE_LINES}"
+
+
+def test_the_length_check_counts_a_long_module(tmp_path):
+    at_the_limit, over = tmp_path / "at_the_limit.py", tmp_path / "over.py"
+    at_the_limit.write_text("x = 1\n" * MAX_MODULE_LINES)
+    over.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert lines_over(at_the_limit, MAX_MODULE_LINES) is None
+    assert lines_over(over, MAX_MODULE_LINES) == MAX_MODULE_LINES + 1
+
+
+def tree_modules(text: str) -> list[str]:
+    """The modules (paths inside the package) that the module tree of an ARCHITECTURE.md ``text``
+    names: in the code block that opens with ``attnres/``, each line indented two spaces per level
+    whose first word is a module (``x.py``) or a folder (``x/``); the deeper lines continue an
+    entry's description."""
+    block = text.split("```\nattnres/\n", 1)[1].split("```", 1)[0]
+    folders, named = [], []
+    for line in block.splitlines():
+        indent, words = len(line) - len(line.lstrip(" ")), line.split()
+        level = indent // 2
+        if not words or indent % 2 or not 1 <= level <= len(folders) + 1 or not words[0].endswith((".py", "/")):
+            continue
+        del folders[level - 1:]
+        if words[0].endswith("/"):
+            folders.append(words[0].rstrip("/"))
+        else:
+            named.append("/".join([*folders, words[0]]))
+    return named
+
+
+def tree_problems(package: Path, text: str) -> tuple[list[str], list[str]]:
+    """The modules of ``package`` that the tree in ``text`` gives no line, and those it names that
+    ``package`` lacks."""
+    modules, named = {str(p.relative_to(package)) for p in package.rglob("*.py")}, set(tree_modules(text))
+    return sorted(modules - named), sorted(named - modules)
+
+
+def test_the_architecture_tree_names_every_module():
+    """docs/ARCHITECTURE.md's module tree has a line for every module of the package, and none for
+    a module that is not there: a new, moved or renamed module brings its line."""
+    missing, absent = tree_problems(PACKAGE, ARCHITECTURE.read_text())
+    assert missing == [] and absent == [], (f"docs/ARCHITECTURE.md's tree has no line for {missing}, "
+                                            f"and names modules the package lacks: {absent}")
+
+
+def test_the_tree_check_finds_a_module_without_its_line(tmp_path):
+    text = ("# Architecture\n\n```\nattnres/\n  a.py          one\n                b.py in a description, not a line\n"
+            "  sub/          a folder\n    c.py        two\n  d.py          three\n```\n\n```\nnot.py\n```\n")
+    assert tree_modules(text) == ["a.py", "sub/c.py", "d.py"]
+    (tmp_path / "sub").mkdir()
+    for name in ("a.py", "b.py", "sub/c.py", "sub/new.py"):
+        (tmp_path / name).write_text("")
+    assert tree_problems(tmp_path, text) == (["b.py", "sub/new.py"], ["d.py"])
