@@ -100,28 +100,23 @@ def check_utf8(path: Path, data: bytes) -> None:
                          f"data.decode_errors=replace to read such bytes as U+FFFD") from None
 
 
-def read_bytes(files: list[Path], max_bytes: int | None = None, utf8: bool = False) -> np.ndarray:
-    """Concatenate files as uint8 tokens (byte b is token b), up to ``max_bytes``; with
-    ``utf8``, each file checked to be UTF-8 text (``check_utf8``)."""
-    chunks, total = [], 0
+def read_bytes(files: list[Path], utf8: bool = False) -> np.ndarray:
+    """Concatenate files as uint8 tokens (byte b is token b); with ``utf8``, each file checked to
+    be UTF-8 text (``check_utf8``)."""
+    chunks = []
     for p in files:
         data = p.read_bytes()
         if utf8:
             check_utf8(p, data)
         chunks.append(np.frombuffer(data, dtype=np.uint8))
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-    return tokens[:max_bytes] if max_bytes is not None else tokens
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
 
 
-def stdlib_corpus(val_fraction: float = 0.05, max_train_bytes: int | None = None,
-                  max_val_bytes: int | None = None, utf8: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def stdlib_corpus(val_fraction: float = 0.05, utf8: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Byte tokens ``(train, val)`` of the standard library sources, split by file."""
     root = stdlib_root()
     train_files, val_files = split_files(stdlib_files(root), root, val_fraction)
-    return read_bytes(train_files, max_train_bytes, utf8), read_bytes(val_files, max_val_bytes, utf8)
+    return read_bytes(train_files, utf8), read_bytes(val_files, utf8)
 
 
 # -- other sources ---------------------------------------------------------------------------
@@ -172,7 +167,7 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
-def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val: int | None, utf8: bool = False):
+def text_corpus(path: Path, val_fraction: float, utf8: bool = False):
     """Bytes of a text file or folder: split by file when there are several, else the last
     ``val_fraction`` of the one file is validation; with ``utf8``, each file UTF-8 text."""
     files = text_files(path)
@@ -185,7 +180,7 @@ def text_corpus(path: Path, val_fraction: float, max_train: int | None, max_val:
         if not val_files:  # tiny folders: hold out the last file
             train_files, val_files = files[:-1], files[-1:]
         train, val = read_bytes(train_files, utf8=utf8), read_bytes(val_files, utf8=utf8)
-    return train[:max_train], val[:max_val]
+    return train, val
 
 
 # -- tokenizers ------------------------------------------------------------------------------
@@ -261,7 +256,7 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
             from .hf_shards import shard_folder_corpus
 
             return shard_folder_corpus(path, cfg, model_vocab_size)
-        train, val = text_corpus(path, cfg.val_fraction, None, None, utf8)
+        train, val = text_corpus(path, cfg.val_fraction, utf8)
         desc = f"text from {path}"
     vocab, tok_path = 256, None
     if cfg.tokenizer == "model":
