@@ -96,7 +96,7 @@ def cleaned_up_on_signals():
     so that ``finally`` blocks run (a temporary folder removed) before the command exits: by
     default SIGTERM ends the process where it stands. Only the main thread can handle signals;
     elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():  # no handler of ours: no message either
         yield
         return
     with Raising():
