@@ -25,7 +25,8 @@ stream itself.
 
 from __future__ import annotations
 
-from .attnres import BlockAttnResStream, BlockState, DepthRoutingStream, FullAttnResStream
+from .attnres import DepthRoutingStream, FullAttnResStream
+from .block import BlockAttnResStream, BlockState
 from .base import Option, Stream, Trace, resolve_block_size, resolve_block_sizes
 from .decode import Decoder
 from .delta import DeltaAttnResStream, DeltaState

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attnres import BlockRoutingStream, BlockState
+from .block import BlockRoutingStream, BlockState
 from .base import Trace, record_rms
 from .decode import DeltaDecoder
 
