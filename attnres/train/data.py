@@ -49,7 +49,6 @@ class Corpus:
     val: np.ndarray
     vocab_size: int
     description: str
-    tokenizer_path: str | None = None
 
     def sha256(self) -> str:
         """A SHA-256 over the train and then the validation tokens (with their dtype and
@@ -258,7 +257,7 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
             return shard_folder_corpus(path, cfg, model_vocab_size)
         train, val = text_corpus(path, cfg.val_fraction, utf8)
         desc = f"text from {path}"
-    vocab, tok_path = 256, None
+    vocab = 256
     if cfg.tokenizer == "model":
         from .folder_model import encode_text
 
@@ -267,14 +266,13 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
         desc += ", the model's tokenizer"
     elif cfg.tokenizer == "bpe":
         key = hashlib.sha256(desc.encode() + str(len(train)).encode()).hexdigest()[:12]
-        tok, tok_path = train_bpe(train, cfg.bpe_vocab_size, key, bpe_dir)
+        tok, _ = train_bpe(train, cfg.bpe_vocab_size, key, bpe_dir)
         train, val = encode(tok, train, cfg.max_train_tokens), encode(tok, val, cfg.max_val_tokens)
         vocab = tok.get_vocab_size()
         desc += f", byte-level BPE ({vocab} tokens)"
     else:
         desc += ", byte tokens"
-    return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], vocab, desc,
-                  str(tok_path) if tok_path else None)
+    return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], vocab, desc)
 
 
 def check_length(tokens: np.ndarray, seq_len: int, split: str) -> None:

@@ -135,13 +135,11 @@ def shard_folder_corpus(folder: Path, cfg, model_vocab_size: int) -> Corpus:
         if len(tokens) != meta["tokens"].get(split):
             raise ValueError(f"{folder / (split + '.bin')} holds {len(tokens)} tokens, {SHARDS_JSON} says "
                              f"{meta['tokens'].get(split)}: was it cut short? Remove the folder to make it anew")
-    tok_path = None
-    if meta["tokenizer"] == "bpe":
-        tok_path = folder / str(meta.get("tokenizer_file"))
-        if not tok_path.is_file():
-            raise ValueError(f"{folder} was tokenized by a BPE it should hold as {tok_path.name}, which it lacks")
+    if meta["tokenizer"] == "bpe" and not (folder / str(meta.get("tokenizer_file"))).is_file():
+        raise ValueError(f"{folder} was tokenized by a BPE it should hold as {meta.get('tokenizer_file')}, which it "
+                         f"lacks")
     return Corpus(train[: cfg.max_train_tokens], val[: cfg.max_val_tokens], meta["vocab_size"],
-                  describe(meta, folder), str(tok_path) if tok_path else None)
+                  describe(meta, folder))
 
 
 # -- the dataset -----------------------------------------------------------------------------
