@@ -43,7 +43,7 @@ def _preset_name(name: str) -> str:
 
 def _design_label(label: str) -> str:
     """``--designs`` and ``--baseline``: a design's label, ``name[:field=value:...]``. An unknown
-    name is refused here, with the words of ``train/designs.py``'s ``parse_design``, which checks
+    name is refused here, with the words of ``experiments/designs.py``'s ``parse_design``, which checks
     the rest (the options, and a name of characters no label may hold) once the command runs."""
     name = label.partition(":")[0]
     if re.fullmatch(r"\w+", name, re.ASCII) and name not in DESIGNS and name not in FOLDER_DESIGNS:
@@ -114,7 +114,7 @@ def _add_compare(sub) -> None:
                         "from their checkpoints)")
     _add_source(p, "--resume COMPARISON_DIR: the new place of the folder a comparison --from started from")
     _add_allow_mixed_data(p, "comparison")
-    p.set_defaults(fn=commands.cmd_compare, loads=("attnres.train.compare",))
+    p.set_defaults(fn=commands.cmd_compare, loads=("attnres.experiments.compare",))
 
 
 def _add_source(p, what: str) -> None:
@@ -149,7 +149,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--resume", metavar="SWEEP_DIR",
                    help="continue a sweep that was stopped, with its own settings")
     _add_allow_mixed_data(p, "sweep")
-    p.set_defaults(fn=commands.cmd_sweep, loads=("attnres.train.sweep",))
+    p.set_defaults(fn=commands.cmd_sweep, loads=("attnres.experiments.sweep",))
 
 
 def _add_train(sub) -> None:

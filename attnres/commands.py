@@ -101,7 +101,7 @@ def comparison_settings(args, init_from: Path | None = None):
     are ``--seeds``' (``--set run.seed`` refused in their favour). With ``init_from`` (``compare
     --from``) the model is the folder's (``config_from_args``) and the designs default to the
     control and one conversion, ``source convert``."""
-    from .train.designs import comparison_choice, split_residual_overrides
+    from .experiments.designs import comparison_choice, split_residual_overrides
 
     seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
     if seeds:
@@ -120,7 +120,7 @@ def comparison_settings(args, init_from: Path | None = None):
 def folder_comparison_settings(args, cfg):
     """What ``compare --from`` adds to a comparison, checked before any work: the run config
     logging each of the first ``--shock-steps`` steps (all of them when the run has fewer) and
-    recording the source folder's digest, the folders' models (``hf.training.ComparisonFolders``),
+    recording the source folder's digest, the folders' models (``experiments.comparison_folders.ComparisonFolders``),
     and ``compare.json``'s ``downstream`` (``--tasks``, known to lm-eval, with ``--include-path``
     and ``--limit``, which apply with it only; ``complete`` once every run is evaluated)."""
     import dataclasses
@@ -144,7 +144,7 @@ def folder_comparison_settings(args, cfg):
         check_known_tasks(args.tasks, args.include_path)
         extra["downstream"] = dict(tasks=list(args.tasks), include_path=args.include_path, limit=args.limit,
                                    complete=False)
-    from .hf.training import ComparisonFolders
+    from .experiments.comparison_folders import ComparisonFolders
 
     folders = ComparisonFolders(args.init_from)
     cfg = dataclasses.replace(cfg, init_from_digest=folders.digest,
@@ -164,14 +164,14 @@ def resumed_comparison_source(args, root: Path, index: dict):
     a comparison of attnres's own designs): its source folder checked against the digest the
     comparison recorded (``source_digest.check_source``), or its new place ``--source``, which is
     then recorded in ``compare.json``."""
-    from .train.compare import repoint_source, saved_config
+    from .experiments.compare import repoint_source, saved_config
 
     if not index.get("init_from"):
         if args.source:
             raise ValueError(f"--source gives the new place of the folder a comparison --from a folder started from; "
                              f"{root} compares attnres's own designs: leave it out")
         return None
-    from .hf.training import ComparisonFolders
+    from .experiments.comparison_folders import ComparisonFolders
     from .train.source_digest import check_source
 
     base = saved_config(root, index)
@@ -184,7 +184,7 @@ def resumed_comparison_source(args, root: Path, index: dict):
 
 
 def cmd_compare(args) -> int:
-    from .train.compare import ComparisonOutcome, resume_comparison, run_comparison
+    from .experiments.compare import ComparisonOutcome, resume_comparison, run_comparison
 
     refuse_mixed_data_without_resume(args, "comparison")
     if args.resume:
@@ -223,7 +223,7 @@ def cmd_compare(args) -> int:
                                  command=["attnres", *args.argv], budgets=args.budgets, folders=folders, extra=extra)
         downstream = extra.get("downstream")
     if downstream:  # evaluated once trained; a signal stops it too (compare.json's downstream says what is left)
-        from .hf.downstream import evaluate_pending
+        from .experiments.downstream import evaluate_pending
 
         outcome = ComparisonOutcome(outcome.report, evaluate_pending(outcome.report.parent, outcome.signal))
     print(outcome.report)
@@ -232,7 +232,7 @@ def cmd_compare(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .signals import exit_status
-    from .train.sweep import Sweep, check_not_set, parse_over, resume_sweep, run_sweep
+    from .experiments.sweep import Sweep, check_not_set, parse_over, resume_sweep, run_sweep
 
     refuse_mixed_data_without_resume(args, "sweep")
     if args.resume:

@@ -1,12 +1,12 @@
 """The names the command line offers, in a module that imports nothing: the designs a comparison
 trains (with each one's model options), the training presets, what each comparison preset
 compares, and the named corpora. ``attnres --help``, every subcommand's help and the refusal of an unknown name read them
-here, so that they answer before PyTorch loads (seconds); ``train/designs.py`` and
+here, so that they answer before PyTorch loads (seconds); ``experiments/designs.py`` and
 ``train/config.py``, which act on the names, take them from here too: each list is written once.
 """
 
 #: a comparison's designs: label -> model options (``ModelConfig`` fields); "n_kv_heads" stands
-#: for the model's number of KV heads (``train/designs.py``, ``design_options``)
+#: for the model's number of KV heads (``experiments/designs.py``, ``design_options``)
 DESIGNS: dict[str, dict] = {
     "prenorm": dict(residual="prenorm"),
     "block": dict(residual="block", num_blocks=8),

@@ -65,7 +65,7 @@ class Signals:
 
 
 class Raising:
-    """For work with no step to stop after (a comparison's evaluation, ``hf/downstream.py``, a
+    """For work with no step to stop after (a comparison's evaluation, ``experiments/downstream.py``, a
     folder being written): while inside, SIGINT raises ``KeyboardInterrupt`` and SIGTERM
     ``Terminated`` where the work stands, so that it stops at once and its ``finally`` blocks run;
     ``received`` keeps the signal too, in case a library the work calls swallows the exception.

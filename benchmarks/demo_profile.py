@@ -32,7 +32,7 @@ from common import machine, print_table, write_csv  # noqa: E402
 
 from attnres.model import Transformer  # noqa: E402
 from attnres.names import DESIGNS  # noqa: E402
-from attnres.train.designs import design_config  # noqa: E402
+from attnres.experiments.designs import design_config  # noqa: E402
 from attnres.train.config import demo  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from common import machine, print_table, write_csv  # noqa: E402
 
 from attnres.model import Transformer  # noqa: E402
 from attnres.train.config import demo  # noqa: E402
-from attnres.train.designs import design_config  # noqa: E402
+from attnres.experiments.designs import design_config  # noqa: E402
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from demo_profile import step_fn  # noqa: E402
 
 from attnres.model import Transformer  # noqa: E402
 from attnres.train.config import demo  # noqa: E402
-from attnres.train.designs import design_config  # noqa: E402
+from attnres.experiments.designs import design_config  # noqa: E402
 
 #: the kernel operators' names as the profiler lists them
 KERNEL_PREFIX = "attnres::cpu_"

@@ -1,5 +1,5 @@
 """Each design's training step against the baseline's, as ``attnres compare --budgets`` times
-it before training (``train.step_times``: every run started through the trainer, one untimed
+it before training (``experiments.step_times``: every run started through the trainer, one untimed
 step each, then ``--rounds`` rounds of one step per design, the order reversed on odd rounds;
 a figure is the median of the per-round ratios with their min..max), at the study's size or with
 ``--set`` overrides (e.g. ``model.n_layers=32``).
@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_csv  # noqa: E402
 
-from attnres.train.compare import plan_comparison  # noqa: E402
+from attnres.experiments.compare import plan_comparison  # noqa: E402
 from attnres.train.config import apply_overrides, preset  # noqa: E402
 from attnres.train.data import load_corpus  # noqa: E402
-from attnres.train.step_times import time_steps  # noqa: E402
+from attnres.experiments.step_times import time_steps  # noqa: E402
 
 FAIR = ["prenorm", "block:norm_eps=1e-12", "mhar:norm_eps=1e-12", "full:norm_eps=1e-12"]
 

@@ -1,5 +1,5 @@
 """A pilot that sizes the ladders (docs/RESULTS.md, "Ladders") before they run: at each point,
-one training step of every design timed against PreNorm's, interleaved (``train.step_times``,
+one training step of every design timed against PreNorm's, interleaved (``experiments.step_times``,
 the timing ``compare --budgets`` does itself), then each run's minutes estimated as its steps
 times its step, times the share of a run that evaluation and analysis add (``--overhead``,
 measured from a finished study run: wall time over steps times step time).
@@ -17,11 +17,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from attnres.train.compare import plan_comparison
+from attnres.experiments.compare import plan_comparison
 from attnres.train.config import preset
 from attnres.train.data import load_corpus
-from attnres.train.step_times import time_steps
-from attnres.train.sweep import point_config
+from attnres.experiments.step_times import time_steps
+from attnres.experiments.sweep import point_config
 
 FAIR = ["prenorm", "block:norm_eps=1e-12", "mhar:norm_eps=1e-12", "full:norm_eps=1e-12"]
 WIDTHS = [{"model.dim": d, "model.n_heads": h} for d, h in (("48", "2"), ("96", "4"), ("192", "8"))]

@@ -7,7 +7,7 @@ import torch
 
 from attnres import Transformer
 from attnres.streams import Trace
-from attnres.train.designs import parse_design
+from attnres.experiments.designs import parse_design
 
 from .conftest import cli_in_process, randomize_stream, tiny_config
 
@@ -119,7 +119,7 @@ def test_the_switches_are_design_options():
 
 
 def test_a_variants_optimizer_field_reaches_its_runs_only():
-    from attnres.train.compare import plan_comparison
+    from attnres.experiments.compare import plan_comparison
     from attnres.train.config import tiny
 
     plan = plan_comparison(tiny(), ["full", "full:query=input:query_lr_scale=0.1"], [0], {}, None)

@@ -95,7 +95,8 @@ def test_the_commands_act_on_the_names_the_parser_offers():
     """One list of each: the comparison's designs and the presets are those of ``attnres.names``,
     every preset is made, and every comparison preset's design is a design's label."""
     from attnres import names
-    from attnres.train import config, designs
+    from attnres.experiments import designs
+    from attnres.train import config
 
     assert designs.DESIGNS is names.DESIGNS and designs.DEFAULT_DESIGNS is names.DEFAULT_DESIGNS
     assert tuple(config.PRESETS) == names.PRESET_NAMES

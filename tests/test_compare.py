@@ -207,7 +207,7 @@ def test_variants_of_one_design_stand_side_by_side_with_their_paired_interval(tm
 
 
 def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_path):
-    from attnres.train.designs import design_config, design_options, parse_design
+    from attnres.experiments.designs import design_config, design_options, parse_design
     from attnres.train.config import preset
 
     base = preset("demo").model
@@ -248,7 +248,7 @@ def test_malformed_variants_are_refused_naming_them(tmp_path, design, message):
     ("full:heads=2:score=sigmoid", "full:score=sigmoid:heads=2"),
 ])
 def test_one_variant_written_twice_is_refused(pair):
-    from attnres.train.designs import check_labels
+    from attnres.experiments.designs import check_labels
 
     check_labels([pair[0], "full"])
     with pytest.raises(ValueError, match=re.escape(f"designs {pair[0]!r} and {pair[1]!r} are the same variant")):
@@ -394,7 +394,7 @@ def test_two_identical_comparisons_log_identical_losses(tmp_path):
 
 def test_the_study_preset_names_its_designs_and_seeds():
     from attnres.names import DEFAULT_DESIGNS
-    from attnres.train.designs import comparison_choice
+    from attnres.experiments.designs import comparison_choice
     from attnres.train.config import preset
     from attnres.train.validate import check_run
 
@@ -405,8 +405,8 @@ def test_the_study_preset_names_its_designs_and_seeds():
 
 
 def test_the_ablations_preset_is_the_studys_size_with_every_row_as_a_valid_design():
-    from attnres.train.compare import plan_comparison
-    from attnres.train.designs import comparison_choice
+    from attnres.experiments.compare import plan_comparison
+    from attnres.experiments.designs import comparison_choice
     from attnres.train.config import ABLATIONS, preset, to_dict
 
     designs, seeds = comparison_choice("ablations")

@@ -12,14 +12,15 @@ import pytest
 from attnres.ops import BACKENDS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "attnres"
-# each imports only from those before it (train's compare drives analysis; hf's finetune uses train's step);
+# each imports only from those before it (experiments drive training, analysis, conversion and evaluation; hf's
+# finetune uses train's step);
 # names.py (the designs and presets the command line offers), eval_tasks.py (lm-eval's task names, read as
 # text), signals.py (how work stops on SIGINT and SIGTERM, which files.py reads) and moe.py import nothing
 # of the package;
 # the model's config reads the streams' options and MoE's balance rules, and model builds on its config,
 # its decoding (generation.py: the KV cache, sampling) and its MLPs
 LAYERS = ["cache|files|names|eval_tasks|architectures|signals", "ops", "streams", "moe", "model_config|generation", "model", "analysis", "train",
-          "hf|serving", "commands", "cli|__main__|__init__"]
+          "hf|serving", "experiments", "commands", "cli|__main__|__init__"]
 #: the longest a function or method of the package may be, decorators and docstring included
 MAX_FUNCTION_LINES = 100
 #: the longest a module of the package may be, in lines

@@ -81,7 +81,7 @@ def test_ctrl_c_during_the_evaluation_stops_it_and_resume_finishes_it(llama, tas
     stops at once, exit 130, ``compare.json`` says it is pending (was: the signal ignored, or exit
     130 with compare.json complete and no resume hint); ``--resume`` evaluates the run left and
     the report pairs the answers; a second ``--resume`` is refused, nothing left to do."""
-    from attnres.hf import downstream
+    from attnres.experiments import downstream
 
     real, calls = downstream.evaluate, []
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from attnres.model import param_groups
-from attnres.train.compare import plan_comparison
+from attnres.experiments.compare import plan_comparison
 from attnres.train.config import apply_overrides, tiny
 
 from .conftest import cli_in_process, tiny_model

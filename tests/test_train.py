@@ -308,7 +308,7 @@ def test_every_design_trains_bit_for_bit_the_same_twice_and_across_a_resume(tmp_
     """The same config and seed on the same machine logs the same losses, bit for bit: twice
     straight, and once more resumed from its checkpoint at step 2. ``+moe``: with MoE MLPs, the
     balance bias (state that the checkpoint must carry) and a capacity that drops tokens."""
-    from attnres.train.designs import design_config
+    from attnres.experiments.designs import design_config
 
     base = quiet(tiny(), steps=4, log_every=1, eval_every=2, ckpt_every=2)
     model = design_config(base.model, design.removesuffix("+moe"))

@@ -38,7 +38,7 @@ MAX_BUDGET = 100.0
 
 def check_budgets(budgets: Sequence[float]) -> list[float]:
     """The budget multiples, as floats: at least one, the first 1, strictly ascending, finite.
-    (A comparison also bounds them by ``MAX_BUDGET``: ``train.compare.plan_comparison``.)"""
+    (A comparison also bounds them by ``MAX_BUDGET``: ``experiments.compare.plan_comparison``.)"""
     values = list(budgets)
     if not values or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) for b in values):
         raise ValueError(f"--budgets {values}: give finite numbers, the first 1, ascending (e.g. 1 1.5 2 3)")

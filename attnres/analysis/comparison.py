@@ -279,7 +279,7 @@ def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dic
 
 def movement_results(designs: dict[str, list[dict]]) -> dict[str, dict]:
     """Design -> its routing's movement over its runs (``analysis.json``'s ``routing_movement``,
-    ``train.routing_movement``: a conversion of ``compare --from``): the largest change over the
+    ``experiments.routing_movement``: a conversion of ``compare --from``): the largest change over the
     seeds, the mean of their mean changes, and each seed's."""
     out = {}
     for name, runs in designs.items():

@@ -69,10 +69,10 @@ def shock_results(designs: dict[str, list[dict]], baseline: str, steps: int) -> 
 
 
 def downstream_results(root: Path, designs: dict[str, list[dict]], baseline: str) -> dict | None:
-    """``results.json``'s ``"downstream"`` from ``downstream.json`` (``hf/downstream.py``), or
+    """``results.json``'s ``"downstream"`` from ``downstream.json`` (``experiments/downstream.py``), or
     None without it: ``{"tasks", "metrics", "by_task": {task: {design: {seed: mcnemar}}}}`` for
     each conversion and seed whose run and control were both evaluated, over every task they
-    answered (a group's subtasks, a task's filters: ``hf/downstream.py``)."""
+    answered (a group's subtasks, a task's filters: ``experiments/downstream.py``)."""
     path = Path(root) / "downstream.json"
     if not path.exists():
         return None

@@ -12,7 +12,7 @@ import json
 import math
 import shlex
 
-# the comparison's reading is imported from here too (train/compare.py, studies/)
+# the comparison's reading is imported from here too (experiments/compare.py, studies/)
 from .comparison import (SUMMARY_FIELDS, Comparison, by_design, choose_baseline, comparison_results,  # noqa: F401
                          label_path, load_comparison, load_index, load_runs, metric_fields, run_name, val_curve)
 from .conversion_report import downstream_section, shock_section

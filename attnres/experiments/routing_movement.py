@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint import is_sharded, latest_checkpoint
+from ..train.checkpoint import is_sharded, latest_checkpoint
 
 #: the prefix of the routing parameters a conversion adds (``attnres.hf.convert``)
 ROUTING_PREFIX = "routing."

@@ -13,7 +13,7 @@ from ..analysis.comparison import label_path
 from ..model import ModelConfig
 from ..names import COMPARISON_PRESETS, CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS
 from ..streams import MODEL_OPTIONS, STREAMS
-from .config import OptimConfig, parse_value
+from ..train.config import OptimConfig, parse_value
 
 
 #: what every design of a comparison shares: the model's fields but the residual kind and options

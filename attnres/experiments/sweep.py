@@ -29,8 +29,8 @@ from ..files import new_folder
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import plan_comparison, resume_comparison, run_comparison
-from .config import TrainConfig, apply_overrides, from_dict, to_dict
-from .validate import check_given
+from ..train.config import TrainConfig, apply_overrides, from_dict, to_dict
+from ..train.validate import check_given
 
 SWEEP_FILE = "sweep.json"
 #: fields that are a design's, not the comparison's (a sweep over them would change designs within

@@ -17,9 +17,9 @@ import statistics
 from pathlib import Path
 
 from ..analysis.comparison import label_path
-from .config import TrainConfig
-from .parallel_plan import run_plan
-from . import trainer
+from ..train.config import TrainConfig
+from ..train.parallel_plan import run_plan
+from ..train import trainer
 
 #: timed rounds (one step of every design each): few, as the timing only scales the multipliers
 STEP_TIME_ROUNDS = 5

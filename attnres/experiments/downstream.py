@@ -20,10 +20,10 @@ from pathlib import Path
 from ..analysis.comparison import label_path, load_index
 from ..analysis.report import write_report
 from ..files import read_json
-from ..train.compare import write_index
+from .compare import write_index
 from ..signals import Raising, Terminated
-from .evaluate import evaluate
-from .export import export_run
+from ..hf.evaluate import evaluate
+from ..hf.export import export_run
 
 #: the per-item metrics read as right or wrong, the first a task's samples hold
 ITEM_METRICS = ("acc", "exact_match")
@@ -105,7 +105,7 @@ def evaluate_pending(root: str | Path, received: int | None = None, log=print) -
     runs (``evaluate_comparison``) unless a signal came before (``received``), or the training
     is incomplete (then the evaluation waits for ``--resume``). ``compare.json``'s ``downstream``
     records whether the evaluation is ``complete``, and ``stopped_by`` the signal that stopped it
-    (SIGINT or SIGTERM stop it where it stands, ``train.signals.Raising``), with the report
+    (SIGINT or SIGTERM stop it where it stands, ``signals.Raising``), with the report
     written again; returns that signal's number, or None when nothing stopped it."""
     root = Path(root)
     index = load_index(root)

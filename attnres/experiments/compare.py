@@ -17,7 +17,7 @@ A comparison of a model folder (``attnres compare --from MODEL_DIR``, ``base.ini
 trains the folder's model as it is (the design ``source``, the control) against its Delta
 conversions (``convert[:heads=H][:block_layers=L]``, ``designs.parse_folder_design``), each
 written once into ``models/`` of the comparison's folder: the layer that reads the folders'
-format hands them over (``folders``, ``attnres.hf.training.ComparisonFolders``). Every run logs
+format hands them over (``folders``, ``attnres.experiments.comparison_folders.ComparisonFolders``). Every run logs
 each of its first ``shock_steps`` steps (``run.log_first``), from which the report measures the
 conversion's optimization shock against the control.
 """
@@ -42,19 +42,19 @@ from ..analysis.report import check_report_dependencies, choose_baseline, load_i
 from ..files import new_folder, read_json
 from ..model import ModelConfig, Transformer
 from ..names import DEFAULT_DESIGNS
-from .checkpoint import latest_checkpoint, load_checkpoint
-from .config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
-from .data import batch_at, load_corpus
+from ..train.checkpoint import latest_checkpoint, load_checkpoint
+from ..train.config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
+from ..train.data import batch_at, load_corpus
 from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
-from .lock import FolderLock
-from .machine import machine
+from ..train.lock import FolderLock
+from ..train.machine import machine
 from .routing_movement import routing_movement
-from .run_dir import RUN_FILES
+from ..train.run_dir import RUN_FILES
 from ..signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
-from .trainer import EVAL_SEED, train
-from .distributed import pick_device  # noqa: I001
-from .validate import check_backend, check_run, max_seed, shared_part, window_problem
+from ..train.trainer import EVAL_SEED, train
+from ..train.distributed import pick_device  # noqa: I001
+from ..train.validate import check_backend, check_run, max_seed, shared_part, window_problem
 
 @dataclass
 class Plan:
@@ -108,7 +108,7 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
     ``folders.check`` before any work."""
     if folders is None:
         raise ValueError(f"a comparison --from {base.init_from} needs its folders' models handed over "
-                         f"(attnres.hf.training.ComparisonFolders)")
+                         f"(attnres.experiments.comparison_folders.ComparisonFolders)")
     if budgets is not None:
         raise ValueError("--budgets trains the baseline at larger budgets for attnres's own designs; a comparison "
                          "--from a folder compares conversions with their control at one budget")
