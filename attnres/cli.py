@@ -114,7 +114,7 @@ def _add_compare(sub) -> None:
                         "from their checkpoints)")
     _add_source(p, "--resume COMPARISON_DIR: the new place of the folder a comparison --from started from")
     _add_allow_mixed_data(p, "comparison")
-    p.set_defaults(fn=commands.cmd_compare, loads=("attnres.experiments.compare",))
+    p.set_defaults(fn=commands.cmd_compare, loads=("attnres.experiments.comparison_run",))
 
 
 def _add_source(p, what: str) -> None:

@@ -184,7 +184,7 @@ def resumed_comparison_source(args, root: Path, index: dict):
 
 
 def cmd_compare(args) -> int:
-    from .experiments.compare import ComparisonOutcome, resume_comparison, run_comparison
+    from .experiments.comparison_run import continue_comparison, start_comparison
 
     refuse_mixed_data_without_resume(args, "comparison")
     if args.resume:
@@ -197,14 +197,7 @@ def cmd_compare(args) -> int:
         root = Path(args.resume)
         index = load_index(root)
         folders = resumed_comparison_source(args, root, index)
-        downstream = index.get("downstream")
-        if index.get("complete") and downstream:  # trained: only its evaluation may be left
-            if downstream.get("complete"):
-                raise ValueError(f"the comparison in {root} is complete, its evaluation too: nothing to resume "
-                                 f"(`attnres report {root}` rebuilds its report)")
-            outcome = ComparisonOutcome(root / "report.md")
-        else:
-            outcome = resume_comparison(root, folders=folders, allow_mixed_data=args.allow_mixed_data)
+        outcome = continue_comparison(root, index, folders, args.allow_mixed_data)
     else:
         if args.source:
             raise ValueError("--source gives the new place of the folder a comparison --from a folder started from, "
@@ -218,14 +211,9 @@ def cmd_compare(args) -> int:
         folders, extra = None, {}
         if init_from is not None:
             cfg, folders, extra = folder_comparison_settings(args, cfg)
-        outcome = run_comparison(cfg, designs=designs, seeds=seeds, out_dir=args.out,
-                                 overrides=overrides, baseline=args.baseline,
-                                 command=["attnres", *args.argv], budgets=args.budgets, folders=folders, extra=extra)
-        downstream = extra.get("downstream")
-    if downstream:  # evaluated once trained; a signal stops it too (compare.json's downstream says what is left)
-        from .experiments.downstream import evaluate_pending
-
-        outcome = ComparisonOutcome(outcome.report, evaluate_pending(outcome.report.parent, outcome.signal))
+        outcome = start_comparison(cfg, designs, seeds, out_dir=args.out, overrides=overrides,
+                                   baseline=args.baseline, command=["attnres", *args.argv], budgets=args.budgets,
+                                   folders=folders, extra=extra)
     print(outcome.report)
     return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 
