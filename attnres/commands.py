@@ -20,13 +20,20 @@ def rank() -> int:
 
 
 def config_from_args(args, assignments=None, base=None, init_from: Path | None = None, comparison: bool = False):
-    """The preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
+    """``checked_config``'s config alone."""
+    return checked_config(args, assignments, base, init_from, comparison)[0]
+
+
+def checked_config(args, assignments=None, base=None, init_from: Path | None = None, comparison: bool = False,
+                   processes: int | None = None):
+    """``(config, plan)``: the preset (or ``base``, a resumed run's config) with ``--data`` and the ``--set``
     assignments (or ``assignments``) applied together: checked as one whole, so their order
     never matters, and a setting that would not be applied is refused. With ``init_from`` (a
     model folder, ``train --from``) the run trains that folder's model: it has no model section
     (a ``--set model.*`` is refused by name) and reads the folder's tokenizer unless
     ``data.tokenizer`` is given (the bytes for a folder without one). ``comparison``: the config
-    a comparison's designs share (``validate.shared_part``)."""
+    a comparison's designs share (``validate.shared_part``). ``processes``: the job's, on which
+    the run is checked too; ``plan`` is then its parallel plan (``validate.check_run``), else None."""
     import dataclasses
 
     from .train.config import apply_overrides, preset
@@ -58,18 +65,19 @@ def config_from_args(args, assignments=None, base=None, init_from: Path | None =
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
-    check_run(shared_part(cfg) if comparison else cfg)
+    plan = check_run(shared_part(cfg) if comparison else cfg, processes)
     check_hf_source(cfg.data)
     check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not
-    return cfg
+    return cfg, plan
 
 
-def run_folder_name(cfg) -> str:
-    """The run's folder name: ``run.name`` (or the residual kind) taken literally, then a
-    timestamp; a name that is not one folder name is refused."""
+def run_folder_name(cfg, model) -> str:
+    """The run's folder name: ``run.name`` (or the name ``model``, the run's ``RunModel``, gives:
+    the residual kind, the source folder's name) taken literally, then a timestamp; a name that
+    is not one folder name is refused."""
     import time
 
-    name = cfg.run.name or (cfg.model.residual if cfg.model is not None else Path(cfg.init_from).name)
+    name = cfg.run.name or model.run_name(cfg)
     if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name.startswith("-"):
         raise ValueError(f"run.name={name!r} must be one folder name: no '/', not '.' or '..', not starting "
                          f"with '-'")
@@ -259,6 +267,8 @@ def resumed_layout(saved, assignments):
 
 
 def cmd_train(args) -> int:
+    from .train.distributed import launched_world_size
+    from .train.run_model import OwnModel
     from .train.trainer import train
 
     if args.resume and args.overwrite:
@@ -280,11 +290,13 @@ def cmd_train(args) -> int:
         run_dir = Path(args.run_dir)
         # the saved settings, with --set (e.g. run.steps=2000 to train further, or another
         # layout) and --data (refused by train unless it is the run's own) applied
-        cfg = config_from_args(args, base=resumed_layout(load_run_config(run_dir), args.set or []))
+        cfg, plan = checked_config(args, base=resumed_layout(load_run_config(run_dir), args.set or []),
+                                   processes=launched_world_size())
     else:
-        cfg = config_from_args(args, init_from=Path(args.init_from) if args.init_from else None)
+        cfg, plan = checked_config(args, init_from=Path(args.init_from) if args.init_from else None,
+                                   processes=launched_world_size())
         run_dir = Path(args.run_dir) if args.run_dir else None
-    folder = None
+    model = OwnModel()
     if cfg.init_from is not None:  # the folder's model, read by the layer that knows its format
         import dataclasses
 
@@ -294,25 +306,25 @@ def cmd_train(args) -> int:
         if args.resume:  # the folder the run started from, as it was (or moved: --source)
             cfg = check_source(cfg, saved_init_from(run_dir), f"attnres train --resume --run-dir {run_dir} --source DIR",
                                "a new run (attnres train --from MODEL_DIR --run-dir NEW_RUN)", args.source)
-        folder = folder_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
+        model = folder_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
         if not args.resume:  # the run records what it starts from
-            cfg = dataclasses.replace(cfg, init_from_digest=folder.digest)
+            cfg = dataclasses.replace(cfg, init_from_digest=model.digest)
     elif args.source:
         raise ValueError(f"--source gives the new place of the folder a run started from (train --from); "
                          f"{run_dir} built its own model: leave --source out")
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second
-        run_dir = Path(cfg.run.out_dir) / run_folder_name(cfg)
+        run_dir = Path(cfg.run.out_dir) / run_folder_name(cfg, model)
     elif run_dir is None:  # a default name, made here so that no other command takes it too
         from .files import new_folder
 
         parent = Path(cfg.run.out_dir)
         made = [p for p in (parent, *parent.parents) if not p.exists()]  # rmdir'ed in this order
-        run_dir = new_folder(parent, run_folder_name(cfg))
+        run_dir = new_folder(parent, run_folder_name(cfg, model))
         made.insert(0, run_dir)
     try:
-        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, folder=folder)
+        result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite, model=model, plan=plan)
     except BaseException:
         # refused before its first step: the folders made for it go too (rmdir: only when empty)
         with contextlib.suppress(OSError):

@@ -62,7 +62,7 @@ def test_a_signal_at_the_end_of_training_leaves_the_evaluation_pending(llama, ta
     command exits 143 and prints the resume command (was: exit 143, compare.json complete with
     nothing pending, no hint)."""
     with pytest.MonkeyPatch.context() as patch:
-        stop_at(patch, signal.SIGTERM, lambda run, step: run.folder.architecture.startswith("attnres_") and step == 4)
+        stop_at(patch, signal.SIGTERM, lambda run, step: run.spec.residual_name(run.cfg).startswith("attnres_") and step == 4)
         out = cli_in_process("compare", "--from", llama, *FROM, "--tasks", "attnres_tiny", "--include-path", tasks,
                              "--out", tmp_path)
     root = next(tmp_path.glob("compare-*"))

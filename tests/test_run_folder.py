@@ -146,11 +146,12 @@ def test_a_run_name_is_taken_literally(tmp_path):
     one folder name is refused."""
     from attnres.commands import run_folder_name as _run_name
     from attnres.train.config import apply_override, tiny
+    from attnres.train.run_model import OwnModel
 
-    assert _run_name(apply_override(tiny(), "run.name=loss%d")).startswith("loss%d-")
+    assert _run_name(apply_override(tiny(), "run.name=loss%d"), OwnModel()).startswith("loss%d-")
     for name in ("../up", "a/b", ".."):
         with pytest.raises(ValueError, match="must be one folder name"):
-            _run_name(apply_override(tiny(), f"run.name={name}"))
+            _run_name(apply_override(tiny(), f"run.name={name}"), OwnModel())
 
 
 # -- 2. one writer per run folder ------------------------------------------------------------

@@ -329,7 +329,7 @@ def test_a_stopped_compare_from_resumes_with_its_folders(folders, tmp_path):
 
     def step(run, index, logging):
         result = real(run, index, logging)
-        if run.folder is not None and run.folder.architecture.startswith("attnres_") and index + 1 == 3:
+        if run.spec.residual_name(run.cfg).startswith("attnres_") and index + 1 == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
@@ -402,3 +402,29 @@ def test_the_routing_learning_rate_reaches_a_conversion_and_the_control_is_not_r
     summary = json.loads((run_dir / "summary.json").read_text())
     assert results["data_sha256"] == summary["data_sha256"]
     assert results["designs"][label]["tokens_per_parameter"] == summary["tokens"] / summary["parameters"]
+
+
+def test_a_runs_settings_are_checked_once_and_its_plan_built_once(folders, tmp_path, monkeypatch):
+    """`attnres train` of attnres's own model and of a folder's: one parallel plan per run,
+    the one its settings' check built and the trainer runs on."""
+    from attnres.train import parallel_plan, validate
+
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(args)
+        return plan_parallel(*args, **kwargs)
+
+    plan_parallel, check_fields = parallel_plan.plan_parallel, validate.check_fields
+    checked = []
+    monkeypatch.setattr(parallel_plan, "plan_parallel", counted)
+    # check_run's first check, which nothing else calls: one call a check of the settings
+    monkeypatch.setattr(validate, "check_fields", lambda cfg: checked.append(cfg) or check_fields(cfg))
+    for source in ([], ["--from", folders["llama"]]):
+        built.clear()
+        checked.clear()
+        run_dir = tmp_path / ("from" if source else "own")
+        result = cli_in_process("train", *source, *TINY, "--run-dir", run_dir)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert len(built) == 1 and len(checked) == 1, (source, built, checked)
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from attnres.train.config import apply_override, from_dict, tiny, to_dict
+from attnres.train.parallel_plan import run_plan
 from attnres.train.validate import check_run
 
 
@@ -166,8 +167,8 @@ def test_the_settings_are_checked_before_the_placement():
 def test_the_validator_takes_plain_values_and_leaves_the_config_as_it_was():
     cfg = config({**PP, "run.pp_microbatches": 4})
     before = to_dict(cfg)
-    check_run(cfg, 2)
-    assert to_dict(cfg) == before and check_run(cfg, 2) is None
+    plan = check_run(cfg, 2)
+    assert to_dict(cfg) == before and plan == run_plan(cfg, 2) and check_run(cfg) is None
     with pytest.raises(ValueError, match=r"dividing the batch of 2 \(each of the 2 copies"):
         check_run(replace(cfg), 4)
 

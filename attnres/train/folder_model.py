@@ -25,6 +25,7 @@ from torch import nn
 
 from ..model import lm_loss
 from . import distributed as dist
+from .data import load_corpus
 from .source_digest import changes
 
 
@@ -62,6 +63,47 @@ class FolderModel:
         digest's SHA-256 when it was read from a folder."""
         return dict(folder=str(self.folder), architecture=self.architecture, vocab_size=self.vocab_size,
                     max_positions=self.max_positions, sha256=self.digest["sha256"] if self.digest else None)
+
+    # -- the run's model (``run_model.RunModel``) ---------------------------------------------
+
+    #: a folder's model records no per-layer gradient norms (its layers are not attnres's)
+    layer_statistics = False
+
+    def check(self, cfg, device: torch.device) -> None:
+        check_fits(cfg, self)
+
+    def fit_data(self, cfg, run_dir: Path, corpus):
+        """The folder's model keeps its own vocabulary, which must hold every token."""
+        corpus = corpus or load_corpus(cfg.data, self.vocab_size, bpe_dir=run_dir, tokenizer=self.tokenizer)
+        check_tokens(cfg.data, corpus, self)
+        return cfg, corpus
+
+    def check_memory(self, cfg, device: torch.device, plan) -> None:
+        """Nothing to estimate: the model is read whole by each rank, its size the folder's."""
+
+    def instantiate(self, cfg, place):
+        """The model read whole by every rank, with the folder's weights (FSDP2 then keeps each
+        rank's shards); never pipelined."""
+        r, device, plan = cfg.run, place.info.device, place.plan
+        torch.manual_seed(r.seed)  # what the folder's model draws (a router's jitter, dropout) follows the seed
+        model = self.build(torch.device("cpu") if plan.wrapping == "fsdp" else device)
+        wrapped = dist.wrap(model, plan.wrapping, self.fsdp_units(model) if plan.wrapping == "fsdp" else None)
+        return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
+
+    def expert_steps(self, cfg, model: nn.Module, device: torch.device):
+        return None if self.balance_weight is None else FolderExperts(cfg.run.grad_accum, device, self.balance_weight)
+
+    def residual_name(self, cfg) -> str:
+        return self.architecture
+
+    def parameter_total(self, cfg) -> int:
+        return self.parameters
+
+    def summary_entries(self) -> dict:
+        return dict(init_from=self.describe())
+
+    def run_name(self, cfg) -> str:
+        return Path(self.folder).name
 
 
 def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:

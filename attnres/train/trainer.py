@@ -5,14 +5,16 @@ survive crashes and signals, and metrics as JSONL (plus TensorBoard when install
 ``train`` runs a run's parts in order, each a function over the ``Run`` that ``start`` makes:
 
 1. the checks, which read only: every setting and its placement on the job's processes
-   (``validate.check_run``), the device and an explicit backend on it (``validate.check_backend``),
+   (``validate.check_run``, which returns the run's parallel plan; skipped when the caller
+   checked them and hands the plan over), the model against the settings and the device
+   (``RunModel.check``),
    the run folder (``run_dir.check_run_dir``: its lock, its links, a run it holds) and, on a
    resume, the checkpoint (``resume_point``);
 2. the run folder's lock (``train/lock.py``, rank 0), the data (``load_data``), the memory the
-   model needs (``resources.check_memory``), then the processes (``start_processes``), every
+   model needs (``RunModel.check_memory``), then the processes (``start_processes``), every
    rank told of any refusal (``_prepare``);
 3. ``start``: the model, wrapped for data parallelism or cut into pipeline stages
-   (``build_model``), and the optimizer (each part made in ``train/run_start.py``); ``restore`` (``resume=True``): the checkpoint's
+   (``RunModel.instantiate``), and the optimizer (each part made in ``train/run_start.py``); ``restore`` (``resume=True``): the checkpoint's
    weights, optimizer, RNG and statistics; only then does ``--overwrite`` remove the old run's
    files (``run_dir.remove_run``), and a refusal before this point leaves the folder as it was;
 4. ``run_steps``: each optimizer step (``train_step``), logged, evaluated (``evaluate``) and
@@ -39,17 +41,18 @@ from .agreed_signal import agreed_signal
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig, to_dict
 from .data import Corpus, batch_at
-from .folder_model import FolderExperts, FolderModel, check_fits, logits_of
+from .folder_model import FolderExperts, FolderModel, logits_of
 from .machine import machine
-from .parallel_plan import ParallelPlan, run_plan
+from .parallel_plan import ParallelPlan
 from .pipeline import Pipeline
-from .resources import check_memory, peak_memory_mib
-from .stage_local import parameter_count, rank_footprint
+from .resources import peak_memory_mib
+from .stage_local import rank_footprint
 from .resume import restore, resume_point, save
-from .run_start import Placement, autocast_for, build_model, build_optimizer, load_data, start_processes
+from .run_model import OwnModel, RunModel
+from .run_start import Placement, autocast_for, build_optimizer, load_data, start_processes
 from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
-from .validate import check_backend, check_run
+from .validate import check_run
 
 EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
@@ -82,7 +85,8 @@ class Run:
     """What the parts of one run share. ``start`` makes it; ``restore`` sets ``start_step`` and
     ``grad_norms`` from a checkpoint; each step advances the weights and ``grad_norms``.
     ``cfg`` carries the corpus's vocabulary size; ``experts`` is the MoE side of the steps (None
-    for a dense model); ``model`` is a ``Transformer``, or the model of ``folder``."""
+    for a dense model); ``model`` is the module ``spec`` (the run's ``RunModel``) instantiated:
+    a ``Transformer``, or a folder's model."""
 
     cfg: TrainConfig
     run_dir: Path
@@ -95,10 +99,9 @@ class Run:
     optimizer: torch.optim.Optimizer
     autocast: Callable
     experts: ExpertSteps | FolderExperts | None
+    spec: RunModel
     grad_norms: LayerGradNorms = field(default_factory=LayerGradNorms)
     start_step: int = 0
-    #: the folder whose model the run continues (``train --from``), or None
-    folder: FolderModel | None = None
     #: called after each optimizer step with the step (0-based) and ``model`` (``train``'s ``on_step``)
     on_step: Callable | None = None
 
@@ -138,20 +141,18 @@ class Run:
         return micro_step(self.wrapped, k < self.cfg.run.grad_accum - 1, self.autocast)
 
 
-def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement, folder: FolderModel | None = None) -> Run:
+def start(cfg: TrainConfig, run_dir: Path, corpus: Corpus, place: Placement, spec: RunModel | None = None) -> Run:
     """Everything a run needs before its first step, on the processes ``place`` and the data
-    ``corpus`` (``load_data``) that ``train`` made and checked: the model (``folder``'s, for a
-    run that continues one) and the optimizer."""
-    model, wrapped, forward, pipe = build_model(cfg, place, folder)
+    ``corpus`` (``load_data``) that ``train`` made and checked: the model ``spec`` (default:
+    attnres's own) instantiated (``RunModel.instantiate``: initialized, wrapped and compiled or
+    cut into pipeline stages) and the optimizer."""
+    spec = spec or OwnModel()
+    model, wrapped, forward, pipe = spec.instantiate(cfg, place)
     optimizer = build_optimizer(cfg.optim, model)
     device = place.info.device
-    if folder is not None:
-        experts = None if folder.balance_weight is None else FolderExperts(cfg.run.grad_accum, device,
-                                                                             folder.balance_weight)
-    else:
-        experts = ExpertSteps(model, cfg.run.grad_accum, device) if cfg.model.moe_experts else None
+    experts = spec.expert_steps(cfg, model, device)
     return Run(cfg, run_dir, place, corpus, model, wrapped, forward, pipe, optimizer,
-               autocast_for(device, cfg.run.autocast), experts, folder=folder)
+               autocast_for(device, cfg.run.autocast), experts, spec)
 
 
 # -- 4. the steps ----------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def train_step(run: Run, step: int, logging: bool) -> StepResult:
         grad_norm = run.pipe.clip_gradients(o.grad_clip)
     else:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), o.grad_clip))
-    if step >= int(r.steps * 0.9) and not run.info.distributed and run.folder is None:
+    if step >= int(r.steps * 0.9) and not run.info.distributed and run.spec.layer_statistics:
         run.grad_norms.add(run.model)
     run.optimizer.step()
     if run.experts is None:
@@ -336,14 +337,13 @@ def summarize(run: Run, progress: Progress) -> dict:
     for bit on one machine only)."""
     tokens_per_step = run.tokens_per_step
     steps_run = max(1, progress.done - run.start_step)
-    folder = run.folder
     return dict(
-        residual=run.cfg.model.residual if folder is None else folder.architecture,
+        residual=run.spec.residual_name(run.cfg),
         steps=progress.done,
         tokens=progress.done * tokens_per_step,
         final_train_loss=progress.last_loss,
         final_val_loss=progress.val_loss,
-        parameters=parameter_count(run.cfg.model) if folder is None else folder.parameters,
+        parameters=run.spec.parameter_total(run.cfg),
         step_time_s=progress.step_time / steps_run,
         tokens_per_s=tokens_per_step * steps_run / progress.step_time if progress.step_time else float("nan"),
         peak_memory_mib=peak_memory_mib(run.info.device),
@@ -355,7 +355,7 @@ def summarize(run: Run, progress: Progress) -> dict:
         parallel=run.place.plan.describe(),
         ranks=rank_entries(run, progress),
         machine=machine(run.info.device),
-        **({} if folder is None else dict(init_from=folder.describe())),
+        **run.spec.summary_entries(),
     )
 
 
@@ -373,16 +373,15 @@ def rank_entries(run: Run, progress: Progress) -> list[dict]:
 
 
 def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: ParallelPlan,
-             problem: Exception | None, folder: FolderModel | None = None) -> tuple[TrainConfig, Corpus, Placement]:
+             problem: Exception | None, spec: RunModel) -> tuple[TrainConfig, Corpus, Placement]:
     """The checks that need the data, then the processes: the data (``load_data``) and the
     memory the model needs (``check_memory``), unless ``problem`` (the lock refused) already
     stops the run; every rank learns of any rank's refusal once the process group starts
     (``dist.agree``), so that none waits on one that left."""
     if problem is None:
         try:
-            cfg, corpus = load_data(cfg, run_dir, corpus, folder)
-            if folder is None:  # a folder's model is read whole by each rank: its size is the folder's
-                check_memory(cfg, dist.pick_device(cfg.run.device), plan)
+            cfg, corpus = load_data(cfg, run_dir, corpus, spec)
+            spec.check_memory(cfg, dist.pick_device(cfg.run.device), plan)
         except ValueError as exc:
             problem = exc
     place = start_processes(cfg, plan)
@@ -391,7 +390,8 @@ def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: Paral
 
 
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
-          overwrite: bool = False, folder: FolderModel | None = None, on_step: Callable | None = None) -> TrainResult:
+          overwrite: bool = False, model: RunModel | None = None, plan: ParallelPlan | None = None,
+          folder: FolderModel | None = None, on_step: Callable | None = None) -> TrainResult:
     """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
 
     ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped. A
@@ -400,17 +400,20 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     known to be good). The job holds the folder's lock (``train/lock.py``) from its checks to
     its end; a refusal before the first step leaves the folder as it was.
 
-    A run with ``cfg.init_from`` continues the model of that folder, read by the layer that
-    knows its format and handed over as ``folder`` (``attnres.hf.training.folder_model``).
+    ``model`` is what the run trains (``run_model.RunModel``; default: attnres's own,
+    ``OwnModel``). A run with ``cfg.init_from`` continues the model of that folder, read by the
+    layer that knows its format and handed over as ``model`` (or ``folder``, the same:
+    ``attnres.hf.training.folder_model``). ``plan`` is the run's parallel plan as
+    ``validate.check_run(cfg, processes)`` returned it for the job's processes, when the caller
+    checked the settings already; without it they are checked here.
     ``on_step(step, model)`` is called after each optimizer step (``step`` 0-based).
     """
     run_dir = Path(run_dir)
+    spec = model or folder or OwnModel()
     processes, main = dist.launched_world_size(), dist.launched_rank() == 0
-    check_run(cfg, processes)  # before any process waits on another
-    check_fits(cfg, folder)
-    plan = run_plan(cfg, processes)
-    if cfg.model is not None:
-        check_backend(cfg.model, dist.pick_device(cfg.run.device))  # an explicit backend that runs there
+    if plan is None:
+        plan = check_run(cfg, processes)  # before any process waits on another
+    spec.check(cfg, dist.pick_device(cfg.run.device))  # the model fits the settings; a backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir) if resume else None
     locked = False
@@ -423,8 +426,8 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                     locked = True
                 except lock.FolderInUse as exc:
                     problem = exc
-            cfg, corpus, place = _prepare(cfg, run_dir, corpus, plan, problem, folder)
-            run = start(cfg, run_dir, corpus, place, folder)
+            cfg, corpus, place = _prepare(cfg, run_dir, corpus, plan, problem, spec)
+            run = start(cfg, run_dir, corpus, place, spec)
             run.on_step = on_step
             if point is not None:
                 run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,

@@ -32,7 +32,7 @@ from ..model import ModelConfig
 from ..streams import build_stream
 from .config import DATA_SEED_STRIDE, DataConfig, OptimConfig, RunConfig, TrainConfig, check_types, from_dict
 from .frozen_corpus import frozen
-from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, run_plan
+from .parallel_plan import CACHE_SETTINGS, PARALLEL_MODES, SCHEDULES, ParallelPlan, run_plan
 from .source_digest import check_record
 
 
@@ -242,18 +242,19 @@ def _pipeline_options_unset(cfg: TrainConfig) -> None:
                          f"run.pp_cache apply to a pipelined run: set run.pp_size > 1")
 
 
-def check_pipeline_settings(cfg: TrainConfig) -> None:
+def check_pipeline_settings(cfg: TrainConfig, processes: int | None = None) -> ParallelPlan | None:
     """With ``run.pp_size > 1``: no gradient accumulation or compilation, and a layout the
-    schedule can run on the whole batch; without: no other ``run.pp_*`` option."""
+    schedule can run on the whole batch (on ``processes``, default one pipeline's: the plan,
+    returned); without: no other ``run.pp_*`` option (None)."""
     r = cfg.run
     if r.pp_size == 1:
         _pipeline_options_unset(cfg)
-        return
+        return None
     for name, clash in (("grad_accum", r.grad_accum != 1), ("compile", r.compile)):
         if clash:
             raise ValueError(f"run.pp_size={r.pp_size}: a pipelined run takes its micro-batches from "
                              f"run.pp_microbatches and runs eagerly; {name} is not supported with it")
-    run_plan(cfg)
+    return run_plan(cfg, processes)
 
 
 # -- 4. the residual options -----------------------------------------------------------------
@@ -269,29 +270,30 @@ def check_residual(cfg: TrainConfig) -> None:
 
 # -- 5. the placement over the job's processes -----------------------------------------------
 
-def check_processes(cfg: TrainConfig, processes: int) -> None:
+def check_processes(cfg: TrainConfig, processes: int, plan: ParallelPlan | None = None) -> ParallelPlan:
     """The run on ``processes`` processes (torchrun's world size, 1 without it): its parallel
-    plan (``parallel_plan.run_plan``); without a pipeline, the batch dividing over the ranks and
-    the micro-steps."""
+    plan (``parallel_plan.run_plan``, returned; ``plan``: a pipeline's, built on them already);
+    without a pipeline, the batch dividing over the ranks and the micro-steps."""
     r = cfg.run
     if r.pp_size == 1 and r.batch_size % (processes * r.grad_accum):
         raise ValueError(f"run.batch_size={r.batch_size} must be divisible by world size {processes} x "
                          f"run.grad_accum={r.grad_accum}")
-    run_plan(cfg, processes)
+    return plan or run_plan(cfg, processes)
 
 
-def check_run(cfg: TrainConfig, processes: int | None = None) -> None:
+def check_run(cfg: TrainConfig, processes: int | None = None) -> ParallelPlan | None:
     """Every check of ``cfg`` (and, given ``processes``, of its placement on them), in the order
-    of the module's docstring; the first that fails raises ``ValueError``."""
+    of the module's docstring; the first that fails raises ``ValueError``. Given ``processes``,
+    returns the run's parallel plan on them, built once (a pipeline's where its settings are
+    checked); without, None."""
     check_fields(cfg)
     check_folder_run(cfg)
     check_agreement(cfg)
-    check_pipeline_settings(cfg)
+    if processes is not None and (type(processes) is not int or processes < 1):
+        raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
+    plan = check_pipeline_settings(cfg, processes)
     check_residual(cfg)
-    if processes is not None:
-        if type(processes) is not int or processes < 1:
-            raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
-        check_processes(cfg, processes)
+    return None if processes is None else check_processes(cfg, processes, plan)
 
 
 # -- what only the user's own settings and the machine can say ------------------------------
