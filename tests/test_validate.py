@@ -46,9 +46,13 @@ CASES = [
     ({"run.pp_microbatches": 0}, None, "run.pp_microbatches=0 must be an integer in [1, inf) or None"),
     ({"run.pp_schedule": "pipedream"}, None,
      "run.pp_schedule='pipedream' must be one of ('gpipe', '1f1b', 'interleaved1f1b', 'loopedbfs', 'zbv', 'dualpipev')"),
-    # 2. the fields that must agree
-    ({"run.grad_accum": 3}, None, "run.batch_size=4 must be divisible by run.grad_accum=3"),
+    # 2. the settings that must agree with the model, its residual options by the stream ...
     ({"run.seq_len": 65}, None, "run.seq_len=65 exceeds model.max_seq_len=64"),
+    ({"model.residual": "block", "model.heads": 3}, None, "heads=3 must be a positive integer dividing dim=32"),
+    ({"model.residual": "block", "model.block_size": 99}, None,
+     "block_size=99 must be an integer in [1, 4] (the number of sublayers)"),
+    # ... and the fields that must agree
+    ({"run.grad_accum": 3}, None, "run.batch_size=4 must be divisible by run.grad_accum=3"),
     ({"run.device": "gpu"}, None, "run.device='gpu' must be 'auto' or a torch device such as 'cpu' or 'cuda:0'"),
     # 3. the pipeline's options: none without a pipeline ...
     ({"run.pp_split": (2, 2), "run.pp_cache": "off"}, None,
@@ -81,11 +85,7 @@ CASES = [
     ({**PP, "run.pp_schedule": "zbv", "run.pp_cache": "on"}, None, "run.pp_size=2, run.pp_schedule='zbv': "
      "run.pp_cache='on' keeps the completed sources of the designs that store them ('full', 'block', 'delta', 'denseformer'); "
      "model.residual='prenorm' sends one state that changes at every sublayer"),
-    # 4. the residual options, by the stream
-    ({"model.residual": "block", "model.heads": 3}, None, "heads=3 must be a positive integer dividing dim=32"),
-    ({"model.residual": "block", "model.block_size": 99}, None,
-     "block_size=99 must be an integer in [1, 4] (the number of sublayers)"),
-    # 5. the placement on the job's processes
+    # 4. the placement on the job's processes
     ({}, 3, "run.batch_size=4 must be divisible by world size 3 x run.grad_accum=1"),
     ({"run.grad_accum": 2}, 4, "run.batch_size=4 must be divisible by world size 4 x run.grad_accum=2"),
     (PP, 1, "run.pp_size=2 must divide the job's 1 processes (torchrun --nproc_per_node=N, N a multiple of 2: "

@@ -105,6 +105,14 @@ class FolderModel:
     def run_name(self, cfg) -> str:
         return Path(self.folder).name
 
+    def checkpoint_model(self, cfg) -> None:
+        """None: the checkpoint's state is checked by its contents, its weights by their names."""
+        return None
+
+    def checkpoint_mismatch(self, cfg) -> str:
+        return (f"; the model of {cfg.init_from} is not the one the run started from: was that folder "
+                f"replaced?")
+
 
 def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:
     """``data`` (UTF-8 bytes, ``uint8``) as the token ids of ``tokenizer`` (``encode(text)``

@@ -64,20 +64,21 @@ def _same_source(saved: dict, cfg: TrainConfig) -> bool:
     return saved.get("init_from") == cfg.init_from
 
 
-def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
+def resume_point(cfg: TrainConfig, run_dir: Path, checked_model=None) -> ResumePoint:
     """The latest checkpoint of ``run_dir``, every file checked against ``cfg`` (its model, its
     data: a resumed run continues on the batches it was drawing) and refused when it already
-    reached ``run.steps``; reads only."""
+    reached ``run.steps``; reads only. ``checked_model``: the model config its weights and state
+    are checked against (``RunModel.checkpoint_model``; None: a folder's model, whose state is
+    checked by its contents and its weights by their names on loading)."""
     ckpt_root = run_dir / "checkpoints"
     path = latest_checkpoint(ckpt_root)
     if path is None:
         raise CheckpointError(f"--resume: no checkpoint in {ckpt_root}")
     if is_sharded(path):
-        weights, state = None, load_train_state(path, cfg.model)
+        weights, state = None, load_train_state(path, checked_model)
     else:
-        weights, state = load_checkpoint(path, cfg.model)
-    if cfg.model is None:  # a folder's model: the state's contents checked here, the weights' names on loading
-        check_state(state, path)
+        weights, state = load_checkpoint(path, checked_model)
+    check_state(state, path)  # the state's contents, checked already with a model config to check against
     if not _same_source(state["config"], cfg):
         raise ValueError(f"--resume continues the run in {run_dir}, which continued the model of "
                          f"{state['config'].get('init_from')}, and the run given continues {cfg.init_from}")
@@ -102,14 +103,15 @@ def resume_point(cfg: TrainConfig, run_dir: Path) -> ResumePoint:
 
 
 def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-            distributed: bool) -> tuple[int, LayerGradNorms]:
+            distributed: bool, mismatch: str = "") -> tuple[int, LayerGradNorms]:
     """Continue from ``point`` (``resume_point``) exactly where it stopped: the weights into
     ``model`` (this rank's part), the optimizer's state, the RNG; returns the step to continue
     from and the gradient-norm statistics. A checkpoint of any layout loads into any other: a
     sharded one through DCP (``sharded.load_sharded``), a one-process one into one process as it
     was saved, or into each rank's part (``sharded.load_full``, ``distributed``). Each group's
     learning-rate scale is the run's settings', not the checkpoint's: a resume with another
-    ``optim.query_lr_scale`` or ``optim.routing_lr_scale`` trains at the new one."""
+    ``optim.query_lr_scale`` or ``optim.routing_lr_scale`` trains at the new one. ``mismatch``:
+    what weights that do not fit ``model`` may mean (``RunModel.checkpoint_mismatch``)."""
     state = point.state
     scales = {g.get("name"): g.get("lr_scale") for g in optimizer.param_groups}
     try:
@@ -119,10 +121,8 @@ def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimiz
             try:
                 model.load_state_dict(point.weights)
             except RuntimeError as exc:
-                changed = (f"; the model of {cfg.init_from} is not the one the run started from: was that folder "
-                           f"replaced?" if cfg.init_from else "")
                 raise CheckpointError(f"{point.path / 'model.safetensors'}: its weights are not the model's "
-                                      f"({load_problem(exc)}){changed}") from None
+                                      f"({load_problem(exc)}){mismatch}") from None
             saved = state["optimizer"]
             groups = match_param_groups(saved["param_groups"], optimizer.param_groups)
             optimizer.load_state_dict({**saved, "param_groups": groups})

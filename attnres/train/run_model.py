@@ -74,6 +74,13 @@ class RunModel(Protocol):
     def run_name(self, cfg: TrainConfig) -> str:
         """The default name of the run's folder (before its timestamp)."""
 
+    def checkpoint_model(self, cfg: TrainConfig):
+        """The model config a resumed run's checkpoint is checked against, weights and state
+        (``checkpoint.load_checkpoint``), or None where the weights' names are checked on loading."""
+
+    def checkpoint_mismatch(self, cfg: TrainConfig) -> str:
+        """What a checkpoint's weights that do not fit the model may mean, appended to the refusal."""
+
 
 class OwnModel:
     """attnres's own ``Transformer``, as ``cfg.model`` describes it (a ``RunModel``)."""
@@ -130,3 +137,9 @@ class OwnModel:
 
     def run_name(self, cfg: TrainConfig) -> str:
         return cfg.model.residual
+
+    def checkpoint_model(self, cfg: TrainConfig):
+        return cfg.model
+
+    def checkpoint_mismatch(self, cfg: TrainConfig) -> str:
+        return ""

@@ -415,7 +415,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
         plan = check_run(cfg, processes)  # before any process waits on another
     spec.check(cfg, dist.pick_device(cfg.run.device))  # the model fits the settings; a backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
-    point = resume_point(cfg, run_dir) if resume else None
+    point = resume_point(cfg, run_dir, spec.checkpoint_model(cfg)) if resume else None
     locked = False
     try:
         with no_trace_if_refused(run_dir, main):
@@ -431,7 +431,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
             run.on_step = on_step
             if point is not None:
                 run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,
-                                                         run.info.distributed)
+                                                         run.info.distributed, spec.checkpoint_mismatch(run.cfg))
                 point = None  # the checkpoint's tensors now live in the model and the optimizer
             if main:
                 remove_run(run_dir, old_run)

@@ -6,16 +6,18 @@ accepts, before anything is written, allocated or started, and before any proces
 another. In order:
 
 1. each field's type and range (``FIELDS``), and a ``hf:`` source's token budget;
-2. a run that builds its model or continues a folder's (``init_from``, ``check_folder_run``),
-   then the fields that must agree: the batch and the gradient accumulation, the sequence length
-   and the model's context, the device;
+2. a run that builds its model or continues a folder's (``init_from``, ``check_model_kind``,
+   the one check that asks which) and the settings that must agree with that kind of model (for
+   attnres's own, the sequence length and the model's context, the learning-rate scales, the
+   residual options, checked by the stream itself on the meta device), then the fields that
+   must agree: the batch and the gradient accumulation, the seed, the device;
 3. the pipeline's options (``run.pp_*``): only with ``run.pp_size > 1``, then agreeing with the
    schedule, the sublayers, the batch and the model, checked where the run's parallel plan is
-   built (``parallel_plan.plan_parallel``);
-4. the residual options, checked by the stream itself on the meta device;
-5. with ``processes`` given, the placement: the parallel plan on that many processes (a
+   built (``parallel_plan.plan_parallel``, on the job's processes when they are given);
+4. with ``processes`` given, the placement: the parallel plan on that many processes (a
    pipeline dividing the job, each copy's part of the batch), or without a pipeline the batch
-   dividing over the data-parallel ranks and the gradient accumulation.
+   dividing over the data-parallel ranks and the gradient accumulation; the plan, built once,
+   is what ``check_run`` returns.
 
 ``load_saved`` reads a run's saved ``config.json`` back and checks it the same way.
 """
@@ -157,12 +159,11 @@ def check_hf_source(data: DataConfig) -> None:
 
 # -- 2. the fields that must agree -----------------------------------------------------------
 
-def check_folder_run(cfg: TrainConfig) -> None:
-    """A run continues a folder's model (``init_from``) exactly when it has no ``model``
-    section; only such a run reads the folder's tokenizer (``data.tokenizer='model'``), and it
-    is not pipelined and scales no query learning rate (its model's sublayers are the folder's).
-    That ``run.seq_len`` fits the folder's context is checked against the folder itself
-    (``folder_model.check_fits``)."""
+def check_model_kind(cfg: TrainConfig) -> None:
+    """A run either builds attnres's own model (a ``model`` section) or continues a folder's
+    (``init_from``): exactly one of the two, the folder's digest only with a folder; then the
+    settings that must agree with that kind of model (``check_own_model``,
+    ``check_folder_settings``). The one place the checks ask which kind a run trains."""
     if (cfg.model is None) == (cfg.init_from is None):
         raise ValueError("a run either builds its model (a model section) or continues a folder's model "
                          "(init_from, attnres train --from): exactly one of the two")
@@ -171,10 +172,38 @@ def check_folder_run(cfg: TrainConfig) -> None:
                          "builds its own model")
     check_record(cfg.init_from_digest, "the run's config")
     if cfg.model is not None:
-        if cfg.data.tokenizer == "model":
-            raise ValueError("data.tokenizer='model' reads the tokenizer of the folder a run continues "
-                             "(attnres train --from MODEL_DIR); this run builds its own model: use 'byte' or 'bpe'")
-        return
+        check_own_model(cfg)
+    else:
+        check_folder_settings(cfg)
+
+
+def check_own_model(cfg: TrainConfig) -> None:
+    """A run of attnres's own model: not the folder's tokenizer, a sequence within the model's
+    context, a scaled query learning rate with input-dependent queries to scale and a scaled
+    routing one with routing parameters, and the residual options, checked by the stream that
+    takes them, built on no memory."""
+    r, m = cfg.run, cfg.model
+    if cfg.data.tokenizer == "model":
+        raise ValueError("data.tokenizer='model' reads the tokenizer of the folder a run continues "
+                         "(attnres train --from MODEL_DIR); this run builds its own model: use 'byte' or 'bpe'")
+    if r.seq_len > m.max_seq_len:
+        raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.optim.query_lr_scale != 1.0 and not (m.residual in ("full", "block", "delta") and m.query == "input"):
+        raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
+                         f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
+                         f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
+    if cfg.optim.routing_lr_scale != 1.0 and m.residual == "prenorm":
+        raise ValueError(f"optim.routing_lr_scale={cfg.optim.routing_lr_scale} scales the learning rate of the "
+                         f"routing parameters, and model.residual='prenorm' has none (its stream is a running sum)")
+    with torch.device("meta"):
+        build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.stream_eps, **m.stream_options())
+
+
+def check_folder_settings(cfg: TrainConfig) -> None:
+    """A run that continues a folder's model (``init_from``) reads the folder's tokenizer or the
+    bytes, is not pipelined and scales no query learning rate (its model's sublayers are the
+    folder's). That ``run.seq_len`` fits the folder's context is checked against the folder
+    itself (``folder_model.check_fits``)."""
     if cfg.data.tokenizer == "bpe":
         raise ValueError("data.tokenizer='bpe' trains a new tokenizer, whose ids the model read from a folder "
                          "(--from) never learned: use 'model' (the folder's tokenizer) or 'byte'")
@@ -194,22 +223,11 @@ def shared_part(cfg: TrainConfig) -> TrainConfig:
 
 
 def check_agreement(cfg: TrainConfig) -> None:
-    """The batch splits into the micro-steps, a sequence fits the model's context, a scaled
-    query learning rate has input-dependent queries to scale and a scaled routing one routing
-    parameters, the device is one torch knows."""
-    r, m = cfg.run, cfg.model
+    """The batch splits into the micro-steps, the seed's data seeds fit, the device is one torch
+    knows."""
+    r = cfg.run
     if r.batch_size % r.grad_accum:
         raise ValueError(f"run.batch_size={r.batch_size} must be divisible by run.grad_accum={r.grad_accum}")
-    if m is not None and r.seq_len > m.max_seq_len:
-        raise ValueError(f"run.seq_len={r.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if m is not None and cfg.optim.query_lr_scale != 1.0 and not (
-            m.residual in ("full", "block", "delta") and m.query == "input"):
-        raise ValueError(f"optim.query_lr_scale={cfg.optim.query_lr_scale} scales the learning rate of the "
-                         f"input-dependent queries' projections: it applies with model.query='input' (full, block or "
-                         f"delta), not to model.residual={m.residual!r} with model.query={m.query!r}")
-    if m is not None and cfg.optim.routing_lr_scale != 1.0 and m.residual == "prenorm":
-        raise ValueError(f"optim.routing_lr_scale={cfg.optim.routing_lr_scale} scales the learning rate of the "
-                         f"routing parameters, and model.residual='prenorm' has none (its stream is a running sum)")
     top = max_seed(r.steps)
     if r.seed > top:
         raise ValueError(f"run.seed={r.seed} must be an integer in [0, {top}]: each step's data seed, "
@@ -257,18 +275,7 @@ def check_pipeline_settings(cfg: TrainConfig, processes: int | None = None) -> P
     return run_plan(cfg, processes)
 
 
-# -- 4. the residual options -----------------------------------------------------------------
-
-def check_residual(cfg: TrainConfig) -> None:
-    """The residual options, checked by the stream that takes them, built on no memory."""
-    m = cfg.model
-    if m is None:  # a folder's model: the folder's own
-        return
-    with torch.device("meta"):
-        build_stream(m.residual, dim=m.dim, num_sublayers=m.num_sublayers, eps=m.stream_eps, **m.stream_options())
-
-
-# -- 5. the placement over the job's processes -----------------------------------------------
+# -- 4. the placement over the job's processes -----------------------------------------------
 
 def check_processes(cfg: TrainConfig, processes: int, plan: ParallelPlan | None = None) -> ParallelPlan:
     """The run on ``processes`` processes (torchrun's world size, 1 without it): its parallel
@@ -287,12 +294,11 @@ def check_run(cfg: TrainConfig, processes: int | None = None) -> ParallelPlan | 
     returns the run's parallel plan on them, built once (a pipeline's where its settings are
     checked); without, None."""
     check_fields(cfg)
-    check_folder_run(cfg)
+    check_model_kind(cfg)
     check_agreement(cfg)
     if processes is not None and (type(processes) is not int or processes < 1):
         raise ValueError(f"processes={processes!r} must be a positive integer (the job's world size)")
     plan = check_pipeline_settings(cfg, processes)
-    check_residual(cfg)
     return None if processes is None else check_processes(cfg, processes, plan)
 
 
@@ -332,7 +338,8 @@ def check_given(cfg: TrainConfig, given, token_files: bool = False) -> None:
     every source (``window_problem``). Defaults and a resumed run's saved values are not the user's choice now,
     and are not checked this way."""
     given = set(given)
-    if "model.window" in given and cfg.model is not None and window_problem(cfg.model):
+    # a run of a folder's model has no model.window to give: config_from_args refuses its model.*
+    if "model.window" in given and window_problem(cfg.model):
         raise ValueError(f"--set model.window: {window_problem(cfg.model)}")
     for key, (other, values) in ONLY_UNDER.items():
         section, name = other.split(".")
