@@ -36,15 +36,13 @@ from pathlib import Path
 import torch
 
 from ..analysis.budget import MAX_BUDGET, budget_run_label, check_budgets
-from ..analysis.capture import capture_analysis
 from ..analysis.comparison import label_path
 from ..analysis.report import check_report_dependencies, choose_baseline, load_index, run_name, write_report
 from ..files import new_folder, read_json
-from ..model import ModelConfig, Transformer
+from ..model import ModelConfig
 from ..names import DEFAULT_DESIGNS
-from ..train.checkpoint import latest_checkpoint, load_checkpoint
+from ..train.checkpoint import latest_checkpoint
 from ..train.config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
-from ..train.data import batch_at, load_corpus
 from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
 from ..train.lock import FolderLock
 from ..train.machine import machine
@@ -52,7 +50,8 @@ from .routing_movement import routing_movement
 from ..train.run_dir import RUN_FILES
 from ..signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
-from ..train.trainer import EVAL_SEED, train
+from ..train.run_model import OwnModel, RunModel
+from ..train.trainer import train
 from ..train.distributed import pick_device  # noqa: I001
 from ..train.validate import check_backend, check_run, max_seed, shared_part, window_problem
 
@@ -95,10 +94,10 @@ class Plan:
         return dataclasses.replace(self.base, model=self.configs[design], optim=dataclasses.replace(self.base.optim, **optim),
                                    run=dataclasses.replace(self.base.run, seed=seed, steps=steps))
 
-    def folder(self, label: str, root: Path):
-        """The ``FolderModel`` of design ``label`` of a comparison --from a folder (None for
-        attnres's own designs)."""
-        return None if self.folders is None else self.folders(label, root)
+    def run_model(self, label: str, root: Path) -> RunModel:
+        """The model design ``label`` trains (``run_model.RunModel``): the ``FolderModel`` of a
+        comparison --from a folder, attnres's own otherwise."""
+        return OwnModel() if self.folders is None else self.folders(label, root)
 
 
 def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[int], overrides: dict,
@@ -380,11 +379,8 @@ def train_designs(root: Path, plan: Plan, index: dict, log, allow_mixed_data: bo
     if here not in seen:
         seen.append(here)
     with Signals() as signals:
-        source = plan.folder("source", root)
-        if source is None:
-            corpus = load_corpus(plan.base.data, plan.base.model.vocab_size, bpe_dir=root)
-        else:  # the folder's tokens: its tokenizer's (data.tokenizer='model') or the bytes
-            corpus = load_corpus(plan.base.data, source.vocab_size, bpe_dir=root, tokenizer=source.tokenizer)
+        # the model's tokens: a BPE tokenizer cached in root, a folder's tokenizer, the bytes
+        _, corpus = plan.run_model("source", root).fit_data(plan.base, root, None)
         check_same_data(root, index, corpus, plan.base.data.source, allow_mixed_data, log)
         if plan.budget_runs and "step_times" not in index:
             log(f"timing each design's step against {plan.baseline}'s ({STEP_TIME_ROUNDS} rounds, part of no run)")
@@ -431,15 +427,6 @@ def _how_to_start(run_dir: Path, steps: int) -> tuple[str, Path | None]:
     return "over", ckpt
 
 
-def _trained_model(run_dir: Path, ckpt: Path) -> tuple[Transformer, dict]:
-    """The model and summary of a run that finished its steps (from its folder)."""
-    model_config = from_dict(read_json(run_dir / "config.json")).model
-    weights, _ = load_checkpoint(ckpt, model_config)
-    model = Transformer(model_config)
-    model.load_state_dict(weights)
-    return model, read_json(run_dir / "summary.json")
-
-
 def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
     """Train design ``label`` for ``seed`` (or continue it: ``_how_to_start``), write its
     analysis once it has finished, and return its entry of ``compare.json``. The comparison
@@ -451,15 +438,12 @@ def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> 
 def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
     name = run_name(label, seed, plan.seeds)
     cfg, run_dir = plan.run_config(label, seed), root / name
-    folder = plan.folder(label, root)
-    if folder is not None:
-        cfg = dataclasses.replace(cfg, init_from=str(folder.folder), init_from_digest=folder.digest)
+    spec = plan.run_model(label, root)
+    cfg = spec.run_config(cfg)
     steps = cfg.run.steps
     how, ckpt = _how_to_start(run_dir, steps)
-    if how == "trained" and folder is not None:  # a folder's model: no depth weights to capture
-        model, summary = None, read_json(run_dir / "summary.json")
-    elif how == "trained":
-        model, summary = _trained_model(run_dir, ckpt)
+    if how == "trained":
+        model, summary = spec.trained_module(run_dir, ckpt), read_json(run_dir / "summary.json")
     else:
         since = f", from its checkpoint {ckpt.name}" if how == "resume" else ""
         log(f"training {name} ({steps} steps){since}")
@@ -467,7 +451,7 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
             # each run compiles its own model; the compiled code of the runs before it would fill
             # the compiler's cache of the shared forward, past whose limit it runs eager
             torch.compiler.reset()
-        result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over", folder=folder)
+        result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over", model=spec)
         model, summary = result.model, result.summary
     budget = plan.budget_runs.get(label)
     entry = {"design": label, "seed": seed, "dir": name,
@@ -477,10 +461,11 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
     if summary["steps"] < steps:
         log(f"{name} stopped at step {summary['steps']} of {steps}, its checkpoint saved")
         return entry
-    if folder is None:
-        x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
-        (run_dir / "analysis.json").write_text(json.dumps(capture_analysis(model, x)))
-    elif (movement := routing_movement(folder.folder, run_dir)) is not None:  # a conversion's routing
-        (run_dir / "analysis.json").write_text(json.dumps({"routing_movement": movement}))
+    analysis = spec.analysis(model, corpus, cfg)
+    if analysis is None:  # a folder's model: a conversion's routing, how far it moved from the folder's
+        movement = routing_movement(Path(cfg.init_from), run_dir)
+        analysis = None if movement is None else {"routing_movement": movement}
+    if analysis is not None:
+        (run_dir / "analysis.json").write_text(json.dumps(analysis))
     log(f"{name}: validation loss {summary['final_val_loss']:.4f}")
     return entry

@@ -15,6 +15,7 @@ which the steps add to the language model's loss with the folder's own weight
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -112,6 +113,16 @@ class FolderModel:
     def checkpoint_mismatch(self, cfg) -> str:
         return (f"; the model of {cfg.init_from} is not the one the run started from: was that folder "
                 f"replaced?")
+
+    def run_config(self, cfg):
+        return dataclasses.replace(cfg, init_from=str(self.folder), init_from_digest=self.digest)
+
+    def trained_module(self, run_dir: Path, checkpoint: Path) -> None:
+        """None: no depth weights are captured of a folder's model."""
+        return None
+
+    def analysis(self, model, corpus, cfg) -> None:
+        return None
 
 
 def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:

@@ -81,6 +81,20 @@ class RunModel(Protocol):
     def checkpoint_mismatch(self, cfg: TrainConfig) -> str:
         """What a checkpoint's weights that do not fit the model may mean, appended to the refusal."""
 
+    # -- what a comparison asks of its runs' models
+
+    def run_config(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` as a run of this model takes it (a folder's: naming the folder and its digest)."""
+
+    def trained_module(self, run_dir: Path, checkpoint: Path) -> nn.Module | None:
+        """The model a finished run in ``run_dir`` trained, with ``checkpoint``'s weights, for
+        the analysis (None where nothing of it is analysed)."""
+
+    def analysis(self, model: nn.Module | None, corpus: Corpus, cfg: TrainConfig) -> dict | None:
+        """What a comparison records of the trained ``model`` (``analysis.json``): attnres's own
+        model's depth weights and probes on the first validation batch; None for a folder's
+        (a comparison measures its routing's movement from the folder instead)."""
+
 
 class OwnModel:
     """attnres's own ``Transformer``, as ``cfg.model`` describes it (a ``RunModel``)."""
@@ -143,3 +157,25 @@ class OwnModel:
 
     def checkpoint_mismatch(self, cfg: TrainConfig) -> str:
         return ""
+
+    def run_config(self, cfg: TrainConfig) -> TrainConfig:
+        return cfg
+
+    def trained_module(self, run_dir: Path, checkpoint: Path) -> Transformer:
+        from ..files import read_json
+        from .checkpoint import load_checkpoint
+        from .config import from_dict
+
+        model_config = from_dict(read_json(run_dir / "config.json")).model
+        weights, _ = load_checkpoint(checkpoint, model_config)
+        model = Transformer(model_config)
+        model.load_state_dict(weights)
+        return model
+
+    def analysis(self, model: nn.Module | None, corpus: Corpus, cfg: TrainConfig) -> dict:
+        from ..analysis.capture import capture_analysis
+        from .data import batch_at
+        from .trainer import EVAL_SEED
+
+        x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
+        return capture_analysis(model, x)
