@@ -18,7 +18,7 @@ from .config import OptimConfig, TrainConfig
 from .data import Corpus, check_length
 from .parallel_plan import ParallelPlan
 from .pipeline import Groups, pipeline_groups
-from .run_model import RunModel
+from .run_model import OwnModel, RunModel
 
 
 @dataclass
@@ -44,13 +44,15 @@ def start_processes(cfg: TrainConfig, plan: ParallelPlan) -> Placement:
     return Placement(plan, info, groups.replica_index, groups.replica_count, groups)
 
 
-def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, model: RunModel) -> tuple[TrainConfig, Corpus]:
+def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
+              model: RunModel | None = None) -> tuple[TrainConfig, Corpus]:
     """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``; the
     tokenizer of the folder a run continues, ``data.tokenizer='model'``), and ``cfg`` with
-    the vocabulary ``model`` trains (``RunModel.fit_data``: attnres's own takes the corpus's, a
-    folder's model keeps its own, which must hold every token); both splits hold a sequence."""
+    the vocabulary ``model`` (default: attnres's own) trains (``RunModel.fit_data``: attnres's
+    own takes the corpus's, a folder's model keeps its own, which must hold every token); both
+    splits hold a sequence."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg, corpus = model.fit_data(cfg, run_dir, corpus)
+    cfg, corpus = (model or OwnModel()).fit_data(cfg, run_dir, corpus)
     check_length(corpus.train, cfg.run.seq_len, "training")
     check_length(corpus.val, cfg.run.seq_len, "validation")
     return cfg, corpus
