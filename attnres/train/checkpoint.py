@@ -20,9 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..model import ModelConfig, Transformer
+from ..model import ModelConfig
 from .checkpoint_folder import CheckpointError, is_sharded, latest_checkpoint, prune, publish, write_synced
 from .sharded import read_weights
+from .stage_local import meta_model
 from .validate import load_saved
 
 def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, train_state: dict) -> Path:
@@ -84,8 +85,7 @@ def check_state(state, path: Path) -> None:
 def check_weights(weights: dict, expected_model: ModelConfig, path: Path) -> None:
     """``CheckpointError`` unless ``weights`` have the names and shapes of ``expected_model``'s
     (counted on the meta device): a ``model.safetensors`` of another design or size."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(expected_model).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in meta_model(expected_model).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])

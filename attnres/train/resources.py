@@ -22,10 +22,9 @@ BYTES_PER_PARAMETER = 16  # fp32 weight, gradient, AdamW's exp_avg and exp_avg_s
 def model_sizes(model_config) -> tuple[int, int]:
     """``(parameters, buffer bytes)`` of the model ``model_config`` describes, counted on the
     meta device."""
-    from ..model import Transformer
+    from .stage_local import meta_model
 
-    with torch.device("meta"):
-        model = Transformer(model_config)
+    model = meta_model(model_config)
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return params, buffers

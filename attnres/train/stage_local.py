@@ -72,10 +72,7 @@ def shared_names(config: ModelConfig, parts: list[Part]) -> list[str]:
     """The parameters more than one of the pipeline ranks ``parts`` hold, whose gradients are
     summed over the pipeline: the stream's, and a tied embedding held by two ranks (named
     ``tok_embeddings.weight``). The same list, in the same order, on every rank."""
-    import torch
-
-    with torch.device("meta"):
-        stream = Transformer(config, initialize=False).stream
+    stream = meta_model(config).stream
     names = [f"stream.{name}" for name, _ in stream.named_parameters()]
     holders = [p for p in parts if p.first or p.last]
     if config.tie_embeddings and len(holders) > 1:
@@ -118,9 +115,15 @@ def rank_footprint(model: nn.Module, optimizer) -> dict:
     return dict(param_count=sum(_local(p).numel() for p in params), state_bytes=total)
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """The whole model's parameter elements (a tied weight once), counted on the meta device."""
+def meta_model(config: ModelConfig) -> Transformer:
+    """The ``Transformer`` ``config`` describes on the meta device, uninitialized (no memory):
+    its parameters' and buffers' names, shapes and sizes, what the checks and counts read."""
     import torch
 
     with torch.device("meta"):
-        return sum(p.numel() for p in Transformer(config, initialize=False).parameters())
+        return Transformer(config, initialize=False)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The whole model's parameter elements (a tied weight once), counted on the meta device."""
+    return sum(p.numel() for p in meta_model(config).parameters())
