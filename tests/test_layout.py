@@ -218,3 +218,48 @@ def test_the_tree_check_finds_a_module_without_its_line(tmp_path):
     for name in ("a.py", "b.py", "sub/c.py", "sub/new.py"):
         (tmp_path / name).write_text("")
     assert tree_problems(tmp_path, text) == (["b.py", "sub/new.py"], ["d.py"])
+
+
+#: the two implementations of what training needs of a model (``train.run_model.RunModel``): the
+#: only modules where a run's kind of model may decide anything
+MODEL_IMPLEMENTATIONS = ("train/run_model.py", "train/folder_model.py")
+#: the most functions elsewhere that may test which kind of model a run trains
+MAX_MODEL_KIND_TESTS = 5
+
+
+def model_kind_tests(package: Path) -> list[tuple[str, str]]:
+    """``(module, function)`` for each function outside ``MODEL_IMPLEMENTATIONS`` that compares a
+    config's ``init_from`` or ``model`` with None (``cfg.model is None``, ``base.init_from is not
+    None``): a place that asks which kind of model a run trains, attnres's own or a folder's."""
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        module = str(path.relative_to(package))
+        if module in MODEL_IMPLEMENTATIONS:
+            continue
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                    sides = [node.left, *node.comparators]
+                    if any(isinstance(s, ast.Attribute) and s.attr in ("init_from", "model")
+                           and isinstance(s.value, ast.Name) for s in sides):
+                        found.add((module, function.name))
+    return sorted(found)
+
+
+def test_few_places_ask_which_kind_of_model_a_run_trains():
+    """Outside the two model implementations, at most ``MAX_MODEL_KIND_TESTS`` functions test a
+    config's ``init_from`` or ``model``: the command that makes the run's model, the checks of a
+    run's settings, and the two readers of a finished run (generate's and export's)."""
+    places = model_kind_tests(PACKAGE)
+    assert len(places) <= MAX_MODEL_KIND_TESTS, f"{len(places)} places ask which kind of model a run has: {places}"
+
+
+def test_the_kind_check_finds_a_test_of_init_from(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "a.py").write_text("def f(cfg):\n    if cfg.init_from is not None:\n        return 1\n"
+                                   "def g(cfg):\n    return cfg.model is None or cfg.model.dim\n"
+                                   "def h(self):\n    return self.layer.model is None\n")
+    (tmp_path / "train" / "run_model.py").write_text("def check(cfg):\n    return cfg.init_from is None\n")
+    assert model_kind_tests(tmp_path) == [("a.py", "f"), ("a.py", "g")]

@@ -73,6 +73,9 @@ class Plan:
     #: a comparison of a model folder (``base.init_from``): ``folders(label, root)`` is the
     #: ``FolderModel`` of design ``label`` (the source, or a conversion written under ``root``)
     folders: object | None = None
+    #: what ``compare.json`` records of the comparison's source beside the plan (a folder's:
+    #: ``init_from`` and ``shock_steps``; nothing for attnres's own designs)
+    source_entries: dict = dataclasses.field(default_factory=dict)
 
     @property
     def budget_runs(self) -> dict[str, float]:
@@ -105,9 +108,6 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
     """A comparison --from a folder (``base.init_from``): its designs (``source``, the control
     and baseline, and conversions) and their options, checked against the folder's model by
     ``folders.check`` before any work."""
-    if folders is None:
-        raise ValueError(f"a comparison --from {base.init_from} needs its folders' models handed over "
-                         f"(attnres.experiments.comparison_folders.ComparisonFolders)")
     if budgets is not None:
         raise ValueError("--budgets trains the baseline at larger budgets for attnres's own designs; a comparison "
                          "--from a folder compares conversions with their control at one budget")
@@ -137,13 +137,16 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
     if baseline not in (None, "source"):
         raise ValueError(f"--baseline {baseline!r}: under --from the baseline is the control, 'source'")
     folders.check(options, base)
-    return Plan(base, designs, seeds, "source", options, {label: None for label in designs}, repeats, None, folders)
+    return Plan(base, designs, seeds, "source", options, {label: None for label in designs}, repeats, None, folders,
+                {"init_from": base.init_from, "shock_steps": base.run.log_first})
 
 
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
                     baseline: str | None, budgets=None, folders=None) -> Plan:
     """Every setting of a comparison checked before any work (``compare``'s arguments);
-    ``folders`` for a comparison --from a folder (``plan_folder_comparison``)."""
+    ``folders`` for a comparison --from a folder (``plan_folder_comparison``): the command that
+    read ``--from`` (or a resumed ``compare.json``'s ``init_from``) makes them, and past it
+    nothing asks again which kind of model the comparison trains."""
     check_run(shared_part(base))
     budgets = None if budgets is None else check_budgets(budgets)
     if budgets is not None:
@@ -169,7 +172,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         raise ValueError(f"seeds {seeds} must be integers in [0, {top}] (run.seed: each step's data seed, "
                          f"run.seed * {DATA_SEED_STRIDE} + step, must fit in a 64-bit integer)")
     check_report_dependencies(len(seeds))
-    if base.init_from is not None:
+    if folders is not None:  # the command's choice: the models of a folder and its conversions
         return plan_folder_comparison(base, designs, seeds, overrides, baseline, budgets, folders)
     check_labels(designs)
     baseline = choose_baseline(designs, baseline)
@@ -249,8 +252,7 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
     index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
              "baseline": plan.baseline, "command": command, "steps": base.run.steps,
              "config": to_dict(base), "overrides": overrides, "budgets": plan.budgets, "runs": []}
-    if base.init_from is not None:
-        index.update(init_from=base.init_from, shock_steps=base.run.log_first)
+    index.update(plan.source_entries)
     index.update(extra or {})
     write_index(root, index)
     return train_designs(root, plan, index, log, allow_mixed_data)
