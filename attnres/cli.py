@@ -20,7 +20,7 @@ import sys
 import threading
 
 from . import commands
-from .architectures import SOURCES, titles
+from .architectures import titles
 from .signals import pause_at
 from .names import CONVERT_DEFAULTS, CORPUS_NAMES, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS, PRESET_NAMES
 
@@ -186,9 +186,9 @@ def _add_report(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    # the help names the dense sources only (convert takes the mixtures of experts too)
-    dense = titles(source for source in SOURCES.values() if not source.moe)
-    p = sub.add_parser("convert", help=f"convert a local {dense} model to Delta AttnRes")
+    p = sub.add_parser("convert", help=f"convert a local {titles()} model to Delta AttnRes",
+                       description=f"Convert a local Hugging Face model folder of a source architecture "
+                                   f"({titles()}) to Delta AttnRes, computing what the source computed.")
     p.add_argument("src", help="folder of the Hugging Face model")
     p.add_argument("dst", help="folder to write the converted model to")
     p.add_argument("--heads", type=int, default=CONVERT_DEFAULTS["heads"], help="depth-attention heads (default: %(default)s)")

@@ -47,6 +47,7 @@ def fresh_cli(cwd, *args):
     (["train", "--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["generate"], 2, "the following arguments are required: run_dir"),
+    (["convert", "--help"], 0, r"\(Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE\)\s+to\s+Delta\s+AttnRes"),
     (["convert", "a", "b", "--block-layers", "2,x"], 2, "'2,x' is not a number or a comma list of numbers"),
     (["train", "--preset", "huge"], 2, r"unknown preset 'huge'; expected one of \['ablations', 'demo', 'regime', 'small'"),
     (["compare", "--preset", "huge", "--designs", "full"], 2, "unknown preset 'huge'"),

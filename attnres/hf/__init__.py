@@ -1,5 +1,6 @@
-"""Hugging Face integration: native attnres models, conversion of pretrained Llama/Mistral/Qwen
-models to Delta AttnRes, and evaluation with lm-evaluation-harness.
+"""Hugging Face integration: native attnres models, conversion of pretrained models of the
+source architectures (``architectures.SOURCES``) to Delta AttnRes, and evaluation with
+lm-evaluation-harness.
 
 Importing this module registers the Auto classes (``AutoConfig``, ``AutoModelForCausalLM``) for
 ``model_type="attnres"`` and the converted ``attnres_<source>`` types. ``transformers`` is an

@@ -1,5 +1,6 @@
-"""Identity-preserving conversion of a pretrained Llama, Mistral, Qwen2 or Qwen3 causal LM, or a
-Mixtral or Qwen3-MoE mixture-of-experts LM, to Delta AttnRes (docs/METHOD.md section 5).
+"""Identity-preserving conversion of a pretrained causal LM of one of the source architectures
+(``architectures.SOURCES``: dense ones and mixtures of experts) to Delta AttnRes (docs/METHOD.md
+section 5).
 
 The converted model keeps the source architecture's own modules (embeddings, attention with its
 head_dim, q/k norms, biases and rotary scaling, MLP or sparse MoE block with its router and
@@ -164,8 +165,8 @@ def freeze_base(model) -> None:
 
 
 def convert(source, *, heads: int = 8, block_layers: int | list[int] = 4, defaulted=()):
-    """Convert a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE causal LM (a model or a local path)
-    to Delta AttnRes. ``defaulted``: the routing options left at their defaults, which a refusal
+    """Convert a causal LM of a source architecture (``architectures.SOURCES``; a model or a local
+    path) to Delta AttnRes. ``defaulted``: the routing options left at their defaults, which a refusal
     says so of (``check_routing_options``).
 
     Returns the converted model, in the source's dtype, with the source's weights and

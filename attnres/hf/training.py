@@ -1,7 +1,7 @@
 """Training a Hugging Face folder's model with attnres's own trainer (``attnres train --from``).
 
-``folder_model(path)`` reads a folder ``attnres convert`` takes (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE), one it writes (``attnres_<source>``) or a dense ``attnres export`` and
+``folder_model(path)`` reads a folder ``attnres convert`` takes (a source architecture of
+``architectures.SOURCES``), one it writes (``attnres_<source>``) or a dense ``attnres export`` and
 hands the trainer a ``train.folder_model.FolderModel``: the trainer builds the model through it
 and never imports ``transformers``. ``export_folder_run`` writes such a run's latest checkpoint
 back as a folder of the architecture it came from, with the source folder's tokenizer.
