@@ -192,6 +192,7 @@ def resumed_comparison_source(args, root: Path, index: dict):
 
 
 def cmd_compare(args) -> int:
+    from .experiments.compare import plan_comparison
     from .experiments.comparison_run import continue_comparison, start_comparison
 
     refuse_mixed_data_without_resume(args, "comparison")
@@ -219,9 +220,8 @@ def cmd_compare(args) -> int:
         folders, extra = None, {}
         if init_from is not None:
             cfg, folders, extra = folder_comparison_settings(args, cfg)
-        outcome = start_comparison(cfg, designs, seeds, out_dir=args.out, overrides=overrides,
-                                   baseline=args.baseline, command=["attnres", *args.argv], budgets=args.budgets,
-                                   folders=folders, extra=extra)
+        plan = plan_comparison(cfg, designs, seeds, overrides, args.baseline, args.budgets, folders)
+        outcome = start_comparison(plan, out_dir=args.out, command=["attnres", *args.argv], extra=extra)
     print(outcome.report)
     return outcome.exit_code  # 130 after SIGINT, 143 after SIGTERM
 

@@ -76,6 +76,8 @@ class Plan:
     #: what ``compare.json`` records of the comparison's source beside the plan (a folder's:
     #: ``init_from`` and ``shock_steps``; nothing for attnres's own designs)
     source_entries: dict = dataclasses.field(default_factory=dict)
+    #: the residual options given for every design (``compare``'s ``overrides``), as given
+    overrides: dict = dataclasses.field(default_factory=dict)
 
     @property
     def budget_runs(self) -> dict[str, float]:
@@ -138,7 +140,7 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
         raise ValueError(f"--baseline {baseline!r}: under --from the baseline is the control, 'source'")
     folders.check(options, base)
     return Plan(base, designs, seeds, "source", options, {label: None for label in designs}, repeats, None, folders,
-                {"init_from": base.init_from, "shock_steps": base.run.log_first})
+                {"init_from": base.init_from, "shock_steps": base.run.log_first}, overrides)
 
 
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
@@ -196,7 +198,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
                      and optim_fields(options[other]) == optim_fields(options[label])), None)
         if same is not None:
             repeats[label] = same
-    plan = Plan(base, designs, seeds, baseline, options, configs, repeats, budgets)
+    plan = Plan(base, designs, seeds, baseline, options, configs, repeats, budgets, overrides=overrides)
     for label in plan.budget_runs:  # a longer run's seeds must still fit (max_seed)
         check_run(plan.run_config(label, max(seeds)))
     return plan
@@ -224,25 +226,22 @@ def compare(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,), out_dir: str
     design the others are compared with (default ``prenorm`` when chosen, else the first).
     ``command``: the command line that asked for the comparison, for the report to quote.
     ``run_comparison`` says too whether a signal stopped it."""
-    return run_comparison(base, designs, seeds, out_dir, log, overrides, baseline, command).report
+    plan = plan_comparison(base, designs, seeds, overrides or {}, baseline)
+    return run_comparison(plan, out_dir=out_dir, log=log, command=command).report
 
 
-def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
-                   out_dir: str | Path = "runs", log=print, overrides: dict | None = None,
-                   baseline: str | None = None, command: list[str] | None = None, budgets=None,
-                   root: Path | None = None, folders=None, extra: dict | None = None,
+def run_comparison(plan: Plan, *, out_dir: str | Path = "runs", root: Path | None = None, log=print,
+                   command: list[str] | None = None, extra: dict | None = None,
                    allow_mixed_data: bool = False) -> ComparisonOutcome:
-    """``compare``, returning its report and the signal that stopped it. ``compare.json`` is
-    written before the first run (``"complete": false`` until every run finished) and after
-    each; it holds what ``resume_comparison`` needs to continue: the shared config, the residual
-    options given, the budgets, and per run the steps planned and done. ``budgets``: the
-    multiples of the budget the baseline also trains at (the module's docstring); ``root``: the
-    comparison's folder (made here; default a new ``out_dir/compare-<timestamp>``); ``folders``:
-    the models of a comparison --from a folder (the module's docstring); ``extra``: more of
-    ``compare.json``'s keys (what a comparison --from a folder evaluates after training);
-    ``allow_mixed_data``: see ``train_designs``."""
-    overrides = overrides or {}
-    plan = plan_comparison(base, designs, seeds, overrides, baseline, budgets, folders)
+    """Train what ``plan`` (``plan_comparison``'s, checked) holds; returns the report and the
+    signal that stopped it. ``compare.json`` is written before the first run (``"complete":
+    false`` until every run finished) and after each; it holds what ``resume_comparison`` needs
+    to continue: the shared config, the residual options given, the budgets, and per run the
+    steps planned and done. ``root``: the comparison's folder (made here; default a new
+    ``out_dir/compare-<timestamp>``); ``command``: the command line that asked for it, for the
+    report to quote; ``extra``: more of ``compare.json``'s keys (what a comparison --from a
+    folder evaluates after training); ``allow_mixed_data``: see ``train_designs``."""
+    base = plan.base
     for label, same in plan.repeats.items():
         log(f"design {label!r} has the settings of {same!r}: it repeats that design (an A/A control)")
     if root is None:
@@ -251,7 +250,7 @@ def run_comparison(base: TrainConfig, designs=DEFAULT_DESIGNS, seeds=(0,),
         root.mkdir(parents=True)
     index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
              "baseline": plan.baseline, "command": command, "steps": base.run.steps,
-             "config": to_dict(base), "overrides": overrides, "budgets": plan.budgets, "runs": []}
+             "config": to_dict(base), "overrides": plan.overrides, "budgets": plan.budgets, "runs": []}
     index.update(plan.source_entries)
     index.update(extra or {})
     write_index(root, index)

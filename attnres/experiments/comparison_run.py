@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .compare import ComparisonOutcome, resume_comparison, run_comparison
+from .compare import ComparisonOutcome, Plan, resume_comparison, run_comparison
 
 
-def start_comparison(cfg, designs, seeds, **options) -> ComparisonOutcome:
-    """A new comparison (``run_comparison``'s arguments), trained and then evaluated when its
-    ``extra`` holds a ``downstream``."""
-    outcome = run_comparison(cfg, designs=designs, seeds=seeds, **options)
+def start_comparison(plan: Plan, **options) -> ComparisonOutcome:
+    """A new comparison of ``plan`` (``run_comparison``'s arguments), trained and then evaluated
+    when its ``extra`` holds a ``downstream``."""
+    outcome = run_comparison(plan, **options)
     return evaluated(outcome, (options.get("extra") or {}).get("downstream"))
 
 

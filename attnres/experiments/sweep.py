@@ -199,9 +199,9 @@ def _run_points(root: Path, sweep: Sweep, index: dict, log, allow_mixed_data: bo
                     raise ValueError(f"{point_dir} holds {leftovers[:3]} but no compare.json: move them away to "
                                      f"rerun the point")
                 point_dir.rmdir()
-            outcome = run_comparison(point_config(sweep.base, entry["values"]), sweep.designs, sweep.seeds,
-                                     log=log, overrides=sweep.overrides, baseline=sweep.baseline,
-                                     command=sweep.command, root=point_dir, budgets=sweep.budgets)
+            plan = plan_comparison(point_config(sweep.base, entry["values"]), sweep.designs, sweep.seeds,
+                                   sweep.overrides, sweep.baseline, sweep.budgets)
+            outcome = run_comparison(plan, root=point_dir, log=log, command=sweep.command)
         if outcome.signal is not None:
             return outcome.signal
     index["complete"] = True
