@@ -167,14 +167,14 @@ def refuse_mixed_data_without_resume(args, what: str) -> None:
                          f"runs read other data); a new {what} reads one corpus: leave it out")
 
 
-def resumed_comparison_source(args, root: Path, index: dict):
+def resumed_comparison_source(args, root: Path, record):
     """The ``ComparisonFolders`` of a comparison --from a folder resumed from ``root`` (None for
     a comparison of attnres's own designs): its source folder checked against the digest the
     comparison recorded (``source_digest.check_source``), or its new place ``--source``, which is
-    then recorded in ``compare.json``."""
+    then recorded in ``compare.json`` (``record``, its ``ComparisonRecord``)."""
     from .experiments.compare import repoint_source, saved_config
 
-    if not index.get("init_from"):
+    if not record.init_from:
         if args.source:
             raise ValueError(f"--source gives the new place of the folder a comparison --from a folder started from; "
                              f"{root} compares attnres's own designs: leave it out")
@@ -182,12 +182,12 @@ def resumed_comparison_source(args, root: Path, index: dict):
     from .experiments.comparison_folders import ComparisonFolders
     from .train.source_digest import check_source
 
-    base = saved_config(root, index)
+    base = saved_config(root, record)
     checked = check_source(base, f"the comparison's source (init_from in {root / 'compare.json'})",
                            f"attnres compare --resume {root} --source DIR",
                            "a new comparison (attnres compare --from MODEL_DIR)", args.source)
     if checked.init_from != base.init_from:
-        repoint_source(root, index, checked.init_from)
+        repoint_source(root, record, checked.init_from)
     return ComparisonFolders(checked.init_from)
 
 
@@ -201,12 +201,12 @@ def cmd_compare(args) -> int:
         if given:
             raise ValueError("--resume continues the comparison with the settings it was started "
                              f"with; leave out {' '.join(given)}")
-        from .analysis.comparison import load_index
+        from .analysis.comparison_record import read_record
 
         root = Path(args.resume)
-        index = load_index(root)
-        folders = resumed_comparison_source(args, root, index)
-        outcome = continue_comparison(root, index, folders, args.allow_mixed_data)
+        record = read_record(root)
+        folders = resumed_comparison_source(args, root, record)
+        outcome = continue_comparison(root, record, folders, args.allow_mixed_data)
     else:
         if args.source:
             raise ValueError("--source gives the new place of the folder a comparison --from a folder started from, "

@@ -52,7 +52,7 @@ def point_numbers(folder: Path, seeds=None) -> dict:
             compared = c.results["designs"][name].get("diff_mean") is not None
             entry["gap"] = paired_difference(base, by_seed) if compared else None
         if curves:
-            times = (c.index.get("step_times") or {}).get(name, {})
+            times = (c.record.step_times or {}).get(name, {})
             entry["compute_equivalent"] = compute_equivalent(c.results["budgets"], curves,
                                                              {s: v for s, v in by_seed.items() if s in curves},
                                                              times.get("ratio"))
@@ -66,7 +66,7 @@ def point_numbers(folder: Path, seeds=None) -> dict:
                 entry[key] = by_seed
         designs[name] = entry
     return {"baseline": c.baseline, "budgets": c.results.get("budgets"), "designs": designs,
-            "model": c.index["config"]["model"]}
+            "model": c.record.config["model"]}
 
 
 def sweep_points(folder: Path) -> list[tuple[dict, Path]]:

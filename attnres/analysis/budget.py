@@ -59,11 +59,10 @@ def budget_run_label(baseline: str, budget: float) -> str:
     return f"{baseline}@x{budget_label(budget)}"
 
 
-def budget_run_labels(index: dict) -> dict[str, float]:
-    """A comparison's baseline runs at the larger budgets (``compare.json``'s ``budgets``):
+def budget_run_labels(baseline: str | None, budgets: Sequence[float] | None) -> dict[str, float]:
+    """A comparison's runs of ``baseline`` at the larger of its ``budgets`` (``compare.json``'s):
     label -> budget; empty without budgets."""
-    budgets = index.get("budgets") or []
-    return {budget_run_label(index.get("baseline"), b): b for b in budgets if b != 1}
+    return {budget_run_label(baseline, b): b for b in budgets or () if b != 1}
 
 
 def equivalent_budget(budgets: Sequence[float], losses: Sequence[float], target: float) -> tuple[float | None, str | None]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import read_json, read_jsonl
-from .budget import budget_run_labels, compute_equivalent
+from .budget import compute_equivalent
+from .comparison_record import ComparisonRecord, read_record
 from .stats import mean_and_sd, paired_difference
 
 
@@ -41,81 +42,18 @@ def run_name(design: str, seed: int, seeds) -> str:
     return name if len(seeds) == 1 else f"{name}-seed{seed}"
 
 
-def _list_problem(index: dict, key: str, kind: type) -> str | None:
-    values = index.get(key)
-    if key not in index:
-        return f"has no {key!r}"
-    if not isinstance(values, list) or not values or any(type(v) is not kind for v in values):
-        return f"{key!r} is {values!r}, not a non-empty list of {kind.__name__}"
-    return None
-
-
-def _run_problem(index: dict, k: int, run) -> str | None:
-    if not isinstance(run, dict):
-        return f"runs[{k}] is {run!r}, not an object"
-    lacking = [key for key in ("design", "seed", "dir") if key not in run]
-    if lacking:
-        return f"runs[{k}] has no {lacking}"
-    if (run["design"] not in index["designs"] and run["design"] not in budget_run_labels(index)) \
-            or run["seed"] not in index["seeds"]:
-        return (f"runs[{k}] is design {run['design']!r}, seed {run['seed']!r}: not one the "
-                "comparison lists")
-    folder = run["dir"]
-    if not isinstance(folder, str) or folder in ("", ".", "..") or Path(folder).name != folder:
-        return f"runs[{k}] has dir {folder!r}: not the name of a folder inside the comparison's"
-    steps = [run.get(key) for key in ("steps", "steps_done") if key in run]
-    if any(type(v) is not int or v < 0 for v in steps):
-        return f"runs[{k}] has steps {steps}: not integers >= 0"
-    return None
-
-
-def index_problem(index) -> str | None:
-    """What is wrong with a comparison's ``compare.json`` (``index``), or None: it is an object
-    with its ``designs`` and ``seeds`` (non-empty lists), and ``runs``, each naming one of them
-    once and a folder inside the comparison's, with its steps (planned and done) when given."""
-    if not isinstance(index, dict):
-        return f"holds {type(index).__name__} {index!r:.40}, not an object"
-    problem = _list_problem(index, "designs", str) or _list_problem(index, "seeds", int)
-    if problem:
-        return problem
-    if not isinstance(index.get("runs"), list):
-        return "has no 'runs' list"
-    for k, run in enumerate(index["runs"]):
-        problem = _run_problem(index, k, run)
-        if problem:
-            return problem
-    pairs = [(r["design"], r["seed"]) for r in index["runs"]]
-    if len(set(pairs)) != len(pairs):
-        return "lists a design and seed twice in 'runs'"
-    if not isinstance(index.get("complete", True), bool):
-        return f"'complete' is {index['complete']!r}, not true or false"
-    return None
-
-
-def load_index(compare_dir: Path) -> dict:
-    """A comparison's ``compare.json``, checked (``index_problem``): ``ValueError`` naming the
-    file and what is wrong."""
-    index_path = Path(compare_dir) / "compare.json"
-    if not index_path.exists():
-        raise ValueError(f"{compare_dir} is not a comparison folder: compare.json is missing")
-    index = read_json(index_path)
-    problem = index_problem(index)
-    if problem:
-        raise ValueError(f"{index_path} {problem}; was it cut short or edited by hand?")
-    return index
-
-
-def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
-    """The comparison's index and the runs it records, each with its saved files."""
+def load_runs(compare_dir: Path) -> tuple[ComparisonRecord, list[dict]]:
+    """The comparison's record (``compare.json``) and the runs it records, each as its record's
+    entry with its saved files (``summary``, ``config``, ``metrics``, ``analysis``)."""
     compare_dir = Path(compare_dir)
-    index = load_index(compare_dir)
+    record = read_record(compare_dir)
     runs = []
-    for entry in index["runs"]:
-        d = compare_dir / entry["dir"]
+    for entry in record.runs:
+        d = compare_dir / entry.dir
         missing = [n for n in ("summary.json", "metrics.jsonl", "config.json") if not (d / n).exists()]
         if missing:
             raise ValueError(f"run {d} is incomplete: {missing} missing")
-        run = dict(entry)
+        run = entry.to_json()
         run["summary"] = read_json(d / "summary.json", SUMMARY_FIELDS)
         # a run that continued a folder's model (compare --from) has no model section: null
         run["config"] = read_json(d / "config.json", {"model": (dict, type(None)), "data": dict, "run": dict})
@@ -123,7 +61,7 @@ def load_runs(compare_dir: Path) -> tuple[dict, list[dict]]:
         analysis = d / "analysis.json"
         run["analysis"] = read_json(analysis) if analysis.exists() else None
         runs.append(run)
-    return index, runs
+    return record, runs
 
 
 def _last_checkpoint(run_dir: Path) -> str:
@@ -135,16 +73,16 @@ def _last_checkpoint(run_dir: Path) -> str:
         return ""
 
 
-def run_status(root: Path, index: dict, runs: list[dict]) -> dict[tuple[str, int], str | None]:
+def run_status(root: Path, record: ComparisonRecord, runs: list[dict]) -> dict[tuple[str, int], str | None]:
     """``(design, seed)`` -> None for every run the comparison plans that finished its steps,
     else what became of it: stopped at a step (``steps_done`` of ``steps`` in ``compare.json``,
     or for an older comparison its summary's steps against its config's), killed while it
     trained (a folder that ``compare.json`` does not record), or not started."""
     entries = {(r["design"], r["seed"]): r for r in runs}
     status = {}
-    for seed in index["seeds"]:
-        for design in [*index["designs"], *budget_run_labels(index)]:
-            run, folder = entries.get((design, seed)), root / run_name(design, seed, index["seeds"])
+    for seed in record.seeds:
+        for design in [*record.designs, *record.budget_runs]:
+            run, folder = entries.get((design, seed)), root / run_name(design, seed, record.seeds)
             if run is not None:
                 steps = run.get("steps", run["config"].get("run", {}).get("steps"))
                 done = run.get("steps_done", run["summary"].get("steps", steps))
@@ -252,18 +190,18 @@ def budget_curves(base: dict[str, float], budget_runs: dict[str, dict]) -> dict[
     return {seed: curve for seed, curve in curves.items() if None not in curve}
 
 
-def budget_results(index: dict, designs: dict[str, list[dict]], budget_runs: dict[str, list[dict]]
+def budget_results(record: ComparisonRecord, designs: dict[str, list[dict]], budget_runs: dict[str, list[dict]]
                    ) -> tuple[dict, dict[str, dict]]:
     """``results.json``'s budget numbers: ``{"budgets", "budget_runs"}`` (each of the baseline's
     runs at a larger budget with its final loss per seed), and design -> its
     ``compute_equivalent`` (``analysis.budget``) over the seeds whose every budget run
     finished, in wall-clock terms with the step times ``compare`` measured (``step_times``)."""
-    budgets, baseline = index["budgets"], index["baseline"]
-    labels = budget_run_labels(index)
+    budgets, baseline = record.budgets, record.baseline
+    labels = record.budget_runs
     out = {"budgets": budgets, "budget_runs": {label: {"budget": b, "val_loss": final_losses(budget_runs.get(label, []))}
                                                for label, b in labels.items()}}
     curves = budget_curves(final_losses(designs.get(baseline, [])), out["budget_runs"])
-    times = index.get("step_times") or {}
+    times = record.step_times or {}
     entries = {}
     for name, runs in designs.items():
         losses = {seed: loss for seed, loss in final_losses(runs).items() if seed in curves}
@@ -294,11 +232,11 @@ def movement_results(designs: dict[str, list[dict]]) -> dict[str, dict]:
 @dataclass
 class Comparison:
     """What every section of the report reads: the comparison's folder (where the figures go),
-    its index (``compare.json``), its runs in order and grouped by design, the baseline and the
+    its record (``compare.json``), its runs in order and grouped by design, the baseline and the
     numbers of ``results.json`` (``comparison_results``)."""
 
     root: Path
-    index: dict
+    record: ComparisonRecord
     runs: list[dict]
     designs: dict[str, list[dict]]
     baseline: str
@@ -320,25 +258,25 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
     one the comparison chose (``choose_baseline``). Only complete pairs are compared: the runs
     of the seeds that every design finished (``run_status``); ``results`` says which seeds
     those are (``seeds``), whether the comparison is ``complete`` and what is ``missing``."""
-    index, runs = load_runs(compare_dir)
-    status = run_status(Path(compare_dir), index, runs)
-    seeds = [s for s in index["seeds"] if all(status[d, s] is None for d in index["designs"])]
+    record, runs = load_runs(compare_dir)
+    status = run_status(Path(compare_dir), record, runs)
+    seeds = [s for s in record.seeds if all(status[d, s] is None for d in record.designs)]
     runs = [r for r in runs if r["seed"] in seeds]
-    extra = budget_run_labels(index)
+    extra = record.budget_runs
     designs = by_design([r for r in runs if r["design"] not in extra])
-    baseline = choose_baseline(index["designs"], baseline or index.get("baseline"))
+    baseline = choose_baseline(record.designs, baseline or record.baseline)
     results = comparison_results(designs, baseline) if runs else dict(baseline=baseline, designs={})
-    if index.get("budgets"):
+    if record.budgets:
         finished = [r for r in runs if r["design"] in extra and status[r["design"], r["seed"]] is None]
-        numbers, multipliers = budget_results(index, designs, by_design(finished))
+        numbers, multipliers = budget_results(record, designs, by_design(finished))
         results.update(numbers)
         for name, entry in multipliers.items():
             results["designs"][name]["compute_equivalent"] = entry
     runs = [r for r in runs if r["design"] not in extra]
-    if index.get("init_from") and runs:  # a comparison --from a folder: the conversions against the control
+    if record.init_from and runs:  # a comparison --from a folder: the conversions against the control
         from .conversion import downstream_results, shock_results
 
-        for name, entry in shock_results(designs, baseline, index.get("shock_steps") or 0).items():
+        for name, entry in shock_results(designs, baseline, record.shock_steps or 0).items():
             results["designs"][name]["shock"] = entry
         for name, entry in movement_results(designs).items():
             results["designs"][name]["routing_movement"] = entry
@@ -347,4 +285,4 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
             results["downstream"] = downstream
     missing = [f"{d}, seed {s}: {text}" for (d, s), text in status.items() if text]
     results.update(complete=not missing, seeds=seeds, missing=missing)
-    return Comparison(Path(compare_dir), index, runs, designs, baseline, results)
+    return Comparison(Path(compare_dir), record, runs, designs, baseline, results)

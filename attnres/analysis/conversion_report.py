@@ -47,14 +47,14 @@ def shock_section(c: Comparison, plt) -> list[str]:
 def evaluation_pending(c: Comparison) -> list[str]:
     """With ``--tasks``, once every run trained: whether the evaluation is still to finish
     (``compare.json``'s ``downstream``), how many runs it evaluated and how to finish it."""
-    downstream = c.index.get("downstream")
+    downstream = c.record.downstream
     if not downstream or downstream.get("complete", True) or not c.results["complete"]:
         return []
     path = c.root / "downstream.json"
     done = len(read_json(path).get("runs", {})) if path.is_file() else 0
-    stopped = f" (stopped by {c.index['stopped_by']})" if c.index.get("stopped_by") else ""
+    stopped = f" (stopped by {c.record.stopped_by})" if c.record.stopped_by else ""
     return [f"**The evaluation on {', '.join(downstream['tasks'])} is incomplete**{stopped}: {done} of "
-            f"{len(c.index['runs'])} runs evaluated. To finish it: `attnres compare --resume {c.root}`", ""]
+            f"{len(c.record.runs)} runs evaluated. To finish it: `attnres compare --resume {c.root}`", ""]
 
 
 def downstream_section(c: Comparison) -> list[str]:

@@ -14,7 +14,7 @@ import shlex
 
 # the comparison's reading is imported from here too (experiments/compare.py, studies/)
 from .comparison import (SUMMARY_FIELDS, Comparison, by_design, choose_baseline, comparison_results,  # noqa: F401
-                         label_path, load_comparison, load_index, load_runs, metric_fields, run_name, val_curve)
+                         label_path, load_comparison, load_runs, metric_fields, run_name, val_curve)
 from .conversion_report import downstream_section, shock_section
 from .figures import plot_budget_curve, plot_depth_weights, plot_expert_load, plot_loss_curves, plot_per_depth, pyplot
 
@@ -35,10 +35,10 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def rerun_command(index: dict, seeds=(0, 1, 2)) -> str:
-    """The comparison's own command (when it was recorded) with ``--seeds`` replaced."""
+def rerun_command(command: list[str] | None, seeds=(0, 1, 2)) -> str:
+    """The comparison's own ``command`` (when it was recorded) with ``--seeds`` replaced."""
     words, skipping = [], False
-    for word in index.get("command") or ["attnres", "compare"]:
+    for word in command or ["attnres", "compare"]:
         if word == "--seeds" or word.startswith("--seeds="):
             skipping = word == "--seeds"
             continue
@@ -56,7 +56,7 @@ def _signed(x: float) -> str:
     return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.2e}"
 
 
-def _summary_lines(index, designs, results, unit) -> list[str]:
+def _summary_lines(command, designs, results, unit) -> list[str]:
     baseline = results["baseline"]
     entries = results["designs"]
     seeds = sorted({s for e in entries.values() for s in e["val_loss"]}, key=int)
@@ -84,7 +84,7 @@ def _summary_lines(index, designs, results, unit) -> list[str]:
             "**One seed: this comparison cannot tell a difference between designs from seed noise.** "
             "A different initialization and batch order moves every design's loss; only several seeds, "
             "paired, measure by how much. To resolve the differences, run:",
-            "", f"    {rerun_command(index)}", "",
+            "", f"    {rerun_command(command)}", "",
         ]
     else:
         header = ["val loss (nats), mean ± sd", unit, f"vs {baseline}, paired", "95% interval", "verdict"]
@@ -125,12 +125,12 @@ def _incomplete_section(c: Comparison) -> list[str]:
     """What an incomplete comparison lacks, which seeds its numbers use, how to finish it."""
     if c.results["complete"]:
         return []
-    stopped = c.index.get("stopped_by")
+    stopped = c.record.stopped_by
     why = f"stopped by {stopped}" if stopped else "it did not run to its end"
     lines = [f"**This comparison is incomplete**: {why}. Not finished:", "",
              *(f"- {m}" for m in c.results["missing"]), ""]
-    seeds, planned = c.results["seeds"], ", ".join(map(str, c.index["seeds"]))
-    if seeds and len(seeds) == len(c.index["seeds"]):  # only the baseline's runs at larger budgets are missing
+    seeds, planned = c.results["seeds"], ", ".join(map(str, c.record.seeds))
+    if seeds and len(seeds) == len(c.record.seeds):  # only the baseline's runs at larger budgets are missing
         lines.append(f"Every design finished every seed ({planned}): the table below is whole. What is missing "
                      "are the baseline's runs at larger budgets; the multipliers use only the seeds whose runs at "
                      "every budget finished.")
@@ -140,7 +140,7 @@ def _incomplete_section(c: Comparison) -> list[str]:
                      "seeds are left out.")
     else:
         lines.append("No seed was finished by every design: there is nothing to compare yet.")
-    if "config" not in c.index:  # saved before compare.json held what --resume needs
+    if c.record.config is None:  # saved before compare.json held what --resume needs
         return [*lines, "", "It was saved before `attnres compare --resume` existed: run it again.", ""]
     return [*lines, "", f"To finish it: `attnres compare --resume {c.root}`", ""]
 
@@ -151,7 +151,7 @@ def _header(c: Comparison) -> list[str]:
     run, m = first["config"]["run"], first["config"]["model"]
     unit = "bits/byte" if first["config"]["data"]["tokenizer"] == "byte" else "bits/token"
     if m is None:  # a comparison --from a folder
-        model = (f"Model: the {first['summary']['residual']} in `{c.index['init_from']}` "
+        model = (f"Model: the {first['summary']['residual']} in `{c.record.init_from}` "
                  f"({first['summary']['parameters']:,} parameters), trained on as it is (`source`, the control) and "
                  f"converted to Delta AttnRes (each `convert` design, its routing starting as the identity). The "
                  f"seeds vary the data order of one source model: the intervals leave out the source's own variance.")
@@ -166,7 +166,7 @@ def _header(c: Comparison) -> list[str]:
         f"{model} Seeds: {', '.join(map(str, c.seeds))}. "
         f"Baseline: {c.baseline}. The numbers are also in `results.json`.",
         "",
-        *_summary_lines(c.index, c.designs, c.results, unit),
+        *_summary_lines(c.record.command, c.designs, c.results, unit),
         *_machines_note(c),
         *_data_note(c),
         *_packages_note(c),
@@ -326,7 +326,7 @@ def _budget_section(c: Comparison, plt) -> list[str]:
     budgets = c.results.get("budgets")
     if not budgets or len(budgets) < 2:
         return []
-    base = c.index["baseline"]
+    base = c.record.baseline
     measured = {name: e["compute_equivalent"] for name, e in c.results["designs"].items() if "compute_equivalent" in e}
     if not measured:  # no seed's curve is whole: a table and a figure would be empty
         runs = [m for m in c.results["missing"] if m.startswith(f"{base}@x")]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -37,7 +36,8 @@ import torch
 
 from ..analysis.budget import MAX_BUDGET, budget_run_label, check_budgets
 from ..analysis.comparison import label_path
-from ..analysis.report import check_report_dependencies, choose_baseline, load_index, run_name, write_report
+from ..analysis.comparison_record import ComparisonRecord, RunRecord, read_record, write_record
+from ..analysis.report import check_report_dependencies, choose_baseline, run_name, write_report
 from ..files import new_folder, read_json
 from ..model import ModelConfig
 from ..names import DEFAULT_DESIGNS
@@ -248,13 +248,11 @@ def run_comparison(plan: Plan, *, out_dir: str | Path = "runs", root: Path | Non
         root = new_folder(Path(out_dir), time.strftime("compare-%Y%m%d-%H%M%S"))
     else:
         root.mkdir(parents=True)
-    index = {"complete": False, "designs": plan.designs, "seeds": plan.seeds,
-             "baseline": plan.baseline, "command": command, "steps": base.run.steps,
-             "config": to_dict(base), "overrides": plan.overrides, "budgets": plan.budgets, "runs": []}
-    index.update(plan.source_entries)
-    index.update(extra or {})
-    write_index(root, index)
-    return train_designs(root, plan, index, log, allow_mixed_data)
+    record = ComparisonRecord(plan.designs, plan.seeds, complete=False, baseline=plan.baseline, command=command,
+                              steps=base.run.steps, config=to_dict(base), overrides=plan.overrides,
+                              budgets=plan.budgets, **plan.source_entries, **(extra or {}))
+    write_record(root, record)
+    return train_designs(root, plan, record, log, allow_mixed_data)
 
 
 def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_data: bool = False) -> ComparisonOutcome:
@@ -265,94 +263,69 @@ def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_dat
     one read now, unless ``allow_mixed_data`` (``train_designs``)."""
     root = Path(root)
     path = root / "compare.json"
-    index = load_index(root)
-    lacking = [key for key in ("config", "steps", "overrides") if key not in index]
+    record = read_record(root)
+    lacking = [key for key in ("config", "steps", "overrides") if getattr(record, key) is None]
     if lacking:
         raise ValueError(f"{path} lacks {lacking}: it was written before `attnres compare "
                          "--resume` existed, or edited by hand; run the comparison again")
-    base = saved_config(root, index)
-    if not isinstance(index["overrides"], dict) or index["steps"] != base.run.steps:
+    base = saved_config(root, record)
+    if not isinstance(record.overrides, dict) or record.steps != base.run.steps:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
-    plan = plan_comparison(base, index["designs"], index["seeds"], index["overrides"],
-                           index.get("baseline"), index.get("budgets"), folders)
-    if _all_finished(index, plan):
+    plan = plan_comparison(base, record.designs, record.seeds, record.overrides, record.baseline, record.budgets,
+                           folders)
+    if _all_finished(record, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")
-    return train_designs(root, plan, index, log, allow_mixed_data)
+    return train_designs(root, plan, record, log, allow_mixed_data)
 
 
-def saved_config(root: Path, index: dict) -> TrainConfig:
-    """The shared config a comparison saved in ``compare.json`` (``index``), read back;
-    ``ValueError`` naming the file when it lacks one or holds one that does not read."""
+def saved_config(root: Path, record: ComparisonRecord) -> TrainConfig:
+    """The shared config a comparison saved in its ``record``, read back; ``ValueError`` naming
+    the file when it lacks one or holds one that does not read."""
     path = Path(root) / "compare.json"
-    if "config" not in index:
+    if record.config is None:
         raise ValueError(f"{path} lacks its 'config': it was written before `attnres compare --resume` existed, or "
                          f"edited by hand; run the comparison again")
     try:
-        return from_dict(index["config"])
+        return from_dict(record.config)
     except ValueError as err:
         raise ValueError(f"{path}: 'config' is {err}") from None
 
 
-def repoint_source(root: Path, index: dict, init_from: str) -> None:
-    """Record in ``compare.json`` (``index``, updated in place) that the source folder of the
+def repoint_source(root: Path, record: ComparisonRecord, init_from: str) -> None:
+    """Record in ``compare.json`` (``record``, updated in place) that the source folder of the
     comparison --from a folder in ``root`` is now ``init_from`` (``compare --resume --source``,
     once the folder there is known to hold the model the comparison started from)."""
-    index["init_from"] = init_from
-    index["config"] = {**index["config"], "init_from": init_from}
-    write_index(Path(root), index)
+    record.init_from = init_from
+    record.config = {**record.config, "init_from": init_from}
+    write_record(Path(root), record)
 
 
-def write_index(root: Path, index: dict) -> None:
-    """``compare.json``, replaced atomically: a comparison killed mid-write keeps the last one."""
-    tmp = root / ".compare.json.tmp"
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, root / "compare.json")
-
-
-def _entry(index: dict, label: str, seed: int) -> dict | None:
-    return next((r for r in index["runs"] if (r["design"], r["seed"]) == (label, seed)), None)
-
-
-def _finished(index: dict, label: str, seed: int) -> bool:
-    entry = _entry(index, label, seed)
-    return entry is not None and entry.get("steps_done", 0) >= entry.get("steps", index["steps"])
-
-
-def _all_finished(index: dict, plan: Plan) -> bool:
+def _all_finished(record: ComparisonRecord, plan: Plan) -> bool:
     pairs = itertools.product(plan.seeds, plan.labels)
-    return all(_finished(index, label, seed) for seed, label in pairs)
+    return all(record.finished(label, seed) for seed, label in pairs)
 
 
-def _record(index: dict, entry: dict) -> None:
-    """``entry`` in ``index["runs"]``, in place of the same design and seed's earlier one."""
-    old = _entry(index, entry["design"], entry["seed"])
-    if old is None:
-        index["runs"].append(entry)
-    else:
-        index["runs"][index["runs"].index(old)] = entry
-
-
-def recorded_data(root: Path, index: dict) -> dict[str, list[str]]:
+def recorded_data(root: Path, record: ComparisonRecord) -> dict[str, list[str]]:
     """The corpora the comparison's runs so far read: ``data_sha256`` (their ``summary.json``'s)
     -> the runs' folders. Runs recorded without a digest are left out."""
     read: dict[str, list[str]] = {}
-    for entry in index["runs"]:
-        summary = root / entry["dir"] / "summary.json"
+    for entry in record.runs:
+        summary = root / entry.dir / "summary.json"
         digest = read_json(summary).get("data_sha256") if summary.is_file() else None
         if digest:
-            read.setdefault(digest, []).append(entry["dir"])
+            read.setdefault(digest, []).append(entry.dir)
     return read
 
 
-def check_same_data(root: Path, index: dict, corpus, source: str, allow: bool, log) -> None:
+def check_same_data(root: Path, record: ComparisonRecord, corpus, source: str, allow: bool, log) -> None:
     """Refuse (unless ``allow``: then a warning) to continue a comparison whose runs read another
     corpus than ``corpus`` (``data.source=source``, read now): a paired difference between a run
     of each would hold the data's difference too. ``data.source=stdlib`` reads the installed
     interpreter's library, so a comparison resumed under another Python meets this."""
     here = corpus.digest()
-    other = {digest: runs for digest, runs in recorded_data(root, index).items() if digest != here}
+    other = {digest: runs for digest, runs in recorded_data(root, record).items() if digest != here}
     if not other:
         return
     read = "; ".join(f"{', '.join(runs)} read {digest}" for digest, runs in other.items())
@@ -366,13 +339,16 @@ def check_same_data(root: Path, index: dict, corpus, source: str, allow: bool, l
     log(f"warning: {text}; continuing (--allow-mixed-data)")
 
 
-def train_designs(root: Path, plan: Plan, index: dict, log, allow_mixed_data: bool = False) -> ComparisonOutcome:
-    """Train, seed by seed, each design that ``index`` does not record as finished, recording
+def train_designs(root: Path, plan: Plan, record: ComparisonRecord, log, allow_mixed_data: bool = False
+                  ) -> ComparisonOutcome:
+    """Train, seed by seed, each design that ``record`` does not hold as finished, recording
     each run in ``compare.json`` as it ends; then the report. A SIGINT or SIGTERM stops the run
     in progress (its checkpoint saved) and the comparison: no other run starts. The corpus is
     checked first against the one the runs so far read (``check_same_data``)."""
-    start, spent = time.time(), index.get("wall_time_s", 0.0)
-    here, seen = machine(pick_device(plan.base.run.device))["id"], index.setdefault("machines", [])
+    start, spent = time.time(), record.wall_time_s or 0.0
+    if record.machines is None:
+        record.machines = []
+    here, seen = machine(pick_device(plan.base.run.device))["id"], record.machines
     if seen and here not in seen:
         log(f"warning: this machine ({here}) is not the one that trained the comparison's runs so far "
             f"({', '.join(seen)}): runs reproduce bit for bit on one machine only, so a pair whose runs ran on "
@@ -382,30 +358,30 @@ def train_designs(root: Path, plan: Plan, index: dict, log, allow_mixed_data: bo
     with Signals() as signals:
         # the model's tokens: a BPE tokenizer cached in root, a folder's tokenizer, the bytes
         _, corpus = plan.run_model("source", root).fit_data(plan.base, root, None)
-        check_same_data(root, index, corpus, plan.base.data.source, allow_mixed_data, log)
-        if plan.budget_runs and "step_times" not in index:
+        check_same_data(root, record, corpus, plan.base.data.source, allow_mixed_data, log)
+        if plan.budget_runs and record.step_times is None:
             log(f"timing each design's step against {plan.baseline}'s ({STEP_TIME_ROUNDS} rounds, part of no run)")
             configs = {label: plan.run_config(label, plan.seeds[0]) for label in plan.designs}
-            index["step_times"] = time_steps(configs, plan.baseline, corpus, root / ".step-times")
-            write_index(root, index)
+            record.step_times = time_steps(configs, plan.baseline, corpus, root / ".step-times")
+            write_record(root, record)
         for seed, label in itertools.product(plan.seeds, plan.labels):
             if signals.received is not None:
                 break
-            if _finished(index, label, seed):
+            if record.finished(label, seed):
                 continue
-            _record(index, train_design(root, plan, label, seed, corpus, lambda text: log(
+            record.record(train_design(root, plan, label, seed, corpus, lambda text: log(
                 f"[{time.time() - start:5.0f}s] {text}")))
-            index["wall_time_s"] = spent + time.time() - start
-            write_index(root, index)
-        index["complete"] = _all_finished(index, plan)
-        index.pop("stopped_by", None)
-        if signals.received is not None and not index["complete"]:
-            index["stopped_by"] = signal.Signals(signals.received).name
-        index["wall_time_s"] = spent + time.time() - start
-        write_index(root, index)
+            record.wall_time_s = spent + time.time() - start
+            write_record(root, record)
+        record.complete = _all_finished(record, plan)
+        record.stopped_by = None
+        if signals.received is not None and not record.complete:
+            record.stopped_by = signal.Signals(signals.received).name
+        record.wall_time_s = spent + time.time() - start
+        write_record(root, record)
         report = write_report(root)
-    if not index["complete"]:
-        log(f"stopped by {index.get('stopped_by', 'a signal')}: the comparison is incomplete; "
+    if not record.complete:
+        log(f"stopped by {record.stopped_by or 'a signal'}: the comparison is incomplete; "
             f"continue it with: attnres compare --resume {root}")
     return ComparisonOutcome(report, signals.received)
 
@@ -428,7 +404,7 @@ def _how_to_start(run_dir: Path, steps: int) -> tuple[str, Path | None]:
     return "over", ckpt
 
 
-def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
+def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> RunRecord:
     """Train design ``label`` for ``seed`` (or continue it: ``_how_to_start``), write its
     analysis once it has finished, and return its entry of ``compare.json``. The comparison
     holds the design's folder (``lock.FolderLock``) from its first look at it to its analysis."""
@@ -436,7 +412,7 @@ def train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> 
         return _train_design(root, plan, label, seed, corpus, log)
 
 
-def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> dict:
+def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) -> RunRecord:
     name = run_name(label, seed, plan.seeds)
     cfg, run_dir = plan.run_config(label, seed), root / name
     spec = plan.run_model(label, root)
@@ -455,10 +431,8 @@ def _train_design(root: Path, plan: Plan, label: str, seed: int, corpus, log) ->
         result = train(cfg, run_dir, corpus=corpus, resume=how == "resume", overwrite=how == "over", model=spec)
         model, summary = result.model, result.summary
     budget = plan.budget_runs.get(label)
-    entry = {"design": label, "seed": seed, "dir": name,
-             "options": plan.options[plan.baseline if budget else label], "steps": steps, "steps_done": summary["steps"]}
-    if budget:
-        entry["budget"] = budget
+    entry = RunRecord(label, seed, name, plan.options[plan.baseline if budget else label], steps, summary["steps"],
+                      budget or None)
     if summary["steps"] < steps:
         log(f"{name} stopped at step {summary['steps']} of {steps}, its checkpoint saved")
         return entry

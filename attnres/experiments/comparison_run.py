@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..analysis.comparison_record import ComparisonRecord
 from .compare import ComparisonOutcome, Plan, resume_comparison, run_comparison
 
 
@@ -17,12 +18,12 @@ def start_comparison(plan: Plan, **options) -> ComparisonOutcome:
     return evaluated(outcome, (options.get("extra") or {}).get("downstream"))
 
 
-def continue_comparison(root: Path, index: dict, folders, allow_mixed_data: bool) -> ComparisonOutcome:
-    """The comparison in ``root`` (its ``compare.json``, ``index``) continued: its unfinished
+def continue_comparison(root: Path, record: ComparisonRecord, folders, allow_mixed_data: bool) -> ComparisonOutcome:
+    """The comparison in ``root`` (its ``compare.json``, ``record``) continued: its unfinished
     runs, then its evaluation; a comparison trained whole goes straight to its evaluation, and
     one evaluated too is refused (nothing to resume)."""
-    downstream = index.get("downstream")
-    if index.get("complete") and downstream:  # trained: only its evaluation may be left
+    downstream = record.downstream
+    if record.complete and downstream:  # trained: only its evaluation may be left
         if downstream.get("complete"):
             raise ValueError(f"the comparison in {root} is complete, its evaluation too: nothing to resume "
                              f"(`attnres report {root}` rebuilds its report)")

@@ -17,10 +17,10 @@ import os
 import signal
 from pathlib import Path
 
-from ..analysis.comparison import label_path, load_index
+from ..analysis.comparison import label_path
+from ..analysis.comparison_record import read_record, write_record
 from ..analysis.report import write_report
 from ..files import read_json
-from .compare import write_index
 from ..signals import Raising, Terminated
 from ..hf.evaluate import evaluate
 from ..hf.export import export_run
@@ -70,8 +70,8 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
     from ..train.distributed import pick_device
 
     root = Path(root)
-    index = load_index(root)
-    device = str(pick_device(index["config"]["run"]["device"]))
+    record = read_record(root)
+    device = str(pick_device(record.config["run"]["device"]))
     path = root / DOWNSTREAM_FILE
     done = read_json(path) if path.exists() else {}
     if done and (done.get("tasks") != list(tasks) or done.get("include_path") != include_path
@@ -79,22 +79,22 @@ def evaluate_comparison(root: str | Path, tasks: list[str], include_path: str | 
         raise ValueError(f"{path} holds answers to other tasks ({done.get('tasks')}); remove it to evaluate anew")
     data = {"tasks": list(tasks), "include_path": include_path, "limit": limit, "metrics": done.get("metrics", {}),
             "runs": done.get("runs", {})}
-    for entry in index["runs"]:
-        if entry["dir"] in data["runs"] or entry.get("steps_done", 0) < entry.get("steps", index["steps"]):
+    for entry in record.runs:
+        if entry.dir in data["runs"] or not entry.finished(record.steps):
             continue
         if stopped():
             break
-        out = root / "exports" / entry["dir"]
-        log(f"evaluating {entry['dir']} on {', '.join(tasks)}")
-        source = index["init_from"] if entry["design"] == "source" else root / "models" / label_path(entry["design"])
-        export_run(root / entry["dir"], out, overwrite=True, source=source)
+        out = root / "exports" / entry.dir
+        log(f"evaluating {entry.dir} on {', '.join(tasks)}")
+        source = record.init_from if entry.design == "source" else root / "models" / label_path(entry.design)
+        export_run(root / entry.dir, out, overwrite=True, source=source)
         results = evaluate(out, list(tasks), include_path=include_path, limit=limit, device=device, log_samples=True)
         answers = {}
         for task, samples in results["samples"].items():
             for key, (metric, items) in item_correctness(task, samples).items():
                 answers[key] = items
                 data["metrics"][key] = metric
-        data["runs"][entry["dir"]] = answers
+        data["runs"][entry.dir] = answers
         _write(path, data)
     _write(path, data)
     return path
@@ -108,9 +108,9 @@ def evaluate_pending(root: str | Path, received: int | None = None, log=print) -
     (SIGINT or SIGTERM stop it where it stands, ``signals.Raising``), with the report
     written again; returns that signal's number, or None when nothing stopped it."""
     root = Path(root)
-    index = load_index(root)
-    downstream = index["downstream"]
-    if not index.get("complete"):
+    record = read_record(root)
+    downstream = record.downstream
+    if not record.complete:
         return received
     if received is None:
         try:
@@ -123,12 +123,10 @@ def evaluate_pending(root: str | Path, received: int | None = None, log=print) -
             signals.received = int(stop.code) - 128
         received = signals.received
     downstream["complete"] = received is None
-    index.pop("stopped_by", None)
-    if received is not None:
-        index["stopped_by"] = signal.Signals(received).name
-    write_index(root, index)
+    record.stopped_by = None if received is None else signal.Signals(received).name
+    write_record(root, record)
     write_report(root)
     if received is not None:
-        log(f"stopped by {index['stopped_by']}: the comparison's evaluation on {', '.join(downstream['tasks'])} is "
+        log(f"stopped by {record.stopped_by}: the comparison's evaluation on {', '.join(downstream['tasks'])} is "
             f"incomplete; continue it with: attnres compare --resume {root}")
     return received

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..analysis.comparison import load_index
+from ..analysis.comparison_record import read_record
 from ..analysis.figures import pyplot, save_figure
 from ..files import new_folder
 from ..analysis.stats import mean_and_sd
@@ -179,7 +179,7 @@ def _point_state(point_dir: Path) -> str:
     """``"new"`` (nothing there), ``"complete"`` or ``"started"`` (a comparison to resume)."""
     if not (point_dir / "compare.json").is_file():
         return "new"
-    return "complete" if load_index(point_dir).get("complete") else "started"
+    return "complete" if read_record(point_dir).complete else "started"
 
 
 def _run_points(root: Path, sweep: Sweep, index: dict, log, allow_mixed_data: bool = False) -> int | None:
