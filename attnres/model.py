@@ -21,6 +21,7 @@ Its configuration is ``model_config.ModelConfig``; decoding (the KV cache, the c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from .generation import DEFAULT_NEW_TOKENS, KVCache, generate, sample  # noqa: F
 from .model_config import ModelConfig
 from .moe import ExpertStats, MoE, SwiGLU
 from .streams import Stream, Trace, build_stream
+from .streams.sublayers import run_sublayers
 
 
 #: positions whose rotary angles are computed at once (in float64: a block's temporaries, not
@@ -111,20 +113,19 @@ class Layer(nn.Module):
         self.mlp = mlp(config)
 
 
-class Transformer(nn.Module):
-    """Decoder-only LM with a pluggable residual stream (``config.residual``).
+class TransformerParts(nn.Module):
+    """The modules and buffers of attnres's own model, under the names its checkpoints and
+    exports use: ``tok_embeddings``, ``layers`` (``make_layer(l)`` for each ``l``), ``stream``,
+    ``lm_head`` (tied to the embedding where ``config.tie_embeddings``) and the RoPE tables
+    ``rope_cos``/``rope_sin`` ``[max_seq_len, head_dim]``. Its hosts add the pass: the
+    ``Transformer`` below, and vLLM's model (``serving/exported.py``), whose layers attend
+    through vLLM's paged KV cache."""
 
-    ``initialize=False`` leaves the weights as the modules' constructors made them, for a caller
-    that runs ``init_weights`` itself (``train/materialize.py``: a distributed rank draws the
-    values one process draws, for its part of the model only). A pipeline rank's model lacks the
-    parts other ranks hold (``train/stage_local.py``): ``tok_embeddings``, ``lm_head`` and
-    sublayers may be None there."""
-
-    def __init__(self, config: ModelConfig, *, initialize: bool = True):
+    def __init__(self, config: ModelConfig, make_layer: Callable[[int], nn.Module]):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(make_layer(l) for l in range(config.n_layers))
         self.stream: Stream = build_stream(
             config.residual,
             dim=config.dim,
@@ -138,6 +139,19 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+
+class Transformer(TransformerParts):
+    """Decoder-only LM with a pluggable residual stream (``config.residual``).
+
+    ``initialize=False`` leaves the weights as the modules' constructors made them, for a caller
+    that runs ``init_weights`` itself (``train/materialize.py``: a distributed rank draws the
+    values one process draws, for its part of the model only). A pipeline rank's model lacks the
+    parts other ranks hold (``train/stage_local.py``): ``tok_embeddings``, ``lm_head`` and
+    sublayers may be None there."""
+
+    def __init__(self, config: ModelConfig, *, initialize: bool = True):
+        super().__init__(config, lambda l: Layer(config))
         if initialize:
             self.init_weights()
 
@@ -216,14 +230,13 @@ class Transformer(nn.Module):
         or one pipeline stage's part of it. ``cos``/``sin``: the RoPE rows of the tokens' positions.
         ``stream``: what runs the pass, the model's stream (default) or, for a decode pass, what
         its ``decoder`` gave."""
-        stream = self.stream if stream is None else stream
         layers = list(self.layers)  # a list: ModuleList indexing costs ~10 calls
-        for i in range(first, last):
+
+        def sublayer(i: int, x: torch.Tensor) -> torch.Tensor:
             layer = layers[i >> 1]
-            x = stream.read(state, i, trace)
-            v = layer.attn(x, cos, sin, cache, i >> 1, start_pos) if i % 2 == 0 else layer.mlp(x, experts)
-            state = stream.write(state, i, v)
-        return state
+            return layer.attn(x, cos, sin, cache, i >> 1, start_pos) if i % 2 == 0 else layer.mlp(x, experts)
+
+        return run_sublayers(self.stream if stream is None else stream, state, sublayer, first, last, trace)
 
     def forward(self, tokens, *, cache: KVCache | None = None, start_pos: int = 0, decode: bool = False,
                 return_depth_weights: bool = False, trace: Trace | None = None,

@@ -32,6 +32,7 @@ from .. import architectures
 from ..files import read_json, replace_folder
 from ..streams import DeltaAttnResStream
 from ..streams.delta import check_routing_options, converted_routing
+from ..streams.sublayers import run_sublayers
 from .destination import TOKENIZER_FILES, check_destination, held
 
 
@@ -84,15 +85,18 @@ class DeltaRoutingForCausalLM:
         position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
         decode = seen > 0 and not torch.is_grad_enabled()
         stream = self.routing.decoder(inputs_embeds) if decode else self.routing
-        state = stream.init(inputs_embeds)
-        for l, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
-            x = layer.input_layernorm(stream.read(state, 2 * l))
-            attn, _ = layer.self_attn(hidden_states=x, attention_mask=masks[l], position_ids=position_ids,
-                                      cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-                                      **kwargs)
-            state = stream.write(state, 2 * l, attn)
-            x = layer.post_attention_layernorm(stream.read(state, 2 * l + 1))
-            state = stream.write(state, 2 * l + 1, layer.mlp(x))
+        layers = base.layers[: self.config.num_hidden_layers]
+
+        def sublayer(i: int, h: torch.Tensor) -> torch.Tensor:  # the source's own norms, then its sublayer
+            l, layer = i >> 1, layers[i >> 1]
+            if i % 2:
+                return layer.mlp(layer.post_attention_layernorm(h))
+            attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=masks[l],
+                                      position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+            return attn
+
+        state = run_sublayers(stream, stream.init(inputs_embeds), sublayer, 0, 2 * len(layers))
         hidden = base.norm(stream.output(state))
         logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
         loss = None

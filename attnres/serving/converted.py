@@ -16,6 +16,7 @@ import torch
 
 from ..architectures import SOURCES, Source
 from ..streams.delta import converted_routing
+from ..streams.sublayers import run_sublayers
 
 #: the converted architectures' class names -> their source (``architectures.SOURCES``)
 SOURCE_MODELS = {source.converted_class: source for source in SOURCES.values()}
@@ -43,12 +44,15 @@ class DeltaRouting:
         x = inputs_embeds if inputs_embeds is not None else base.embed_input_ids(input_ids)
         x = x[None]
         routing = self.routing.decoder(x) if not torch.is_grad_enabled() else self.routing
-        state = routing.init(x)
-        for l, layer in enumerate(base.layers):
-            h = layer.input_layernorm(routing.read(state, 2 * l)[0])
-            state = routing.write(state, 2 * l, layer.self_attn(positions=positions, hidden_states=h)[None])
-            h = layer.post_attention_layernorm(routing.read(state, 2 * l + 1)[0])
-            state = routing.write(state, 2 * l + 1, getattr(layer, self.mlp_attribute)(h)[None])
+        layers = list(base.layers)
+
+        def sublayer(i: int, h: torch.Tensor) -> torch.Tensor:  # the flat row [1, N, D] as vLLM's [N, D]
+            layer = layers[i >> 1]
+            if i % 2:
+                return getattr(layer, self.mlp_attribute)(layer.post_attention_layernorm(h[0]))[None]
+            return layer.self_attn(positions=positions, hidden_states=layer.input_layernorm(h[0]))[None]
+
+        state = run_sublayers(routing, routing.init(x), sublayer, 0, 2 * len(layers))
         return base.norm(routing.output(state)[0])
 
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..model import Attention, ModelConfig, apply_rope, mlp, rope_tables
-from ..streams import build_stream
+from ..model import Attention, ModelConfig, TransformerParts, apply_rope, mlp
+from ..streams.sublayers import run_sublayers
 
 
 class PagedAttention(Attention):
@@ -53,38 +53,25 @@ class Layer(nn.Module):
         self.mlp = mlp(config)
 
 
-class Model(nn.Module):
-    """``Transformer``'s modules under its names, with ``Layer`` for its layers."""
+class Model(TransformerParts):
+    """``Transformer``'s parts under its names, with ``Layer`` for its layers."""
 
     def __init__(self, config: ModelConfig, cache_config, prefix: str):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Layer(config, cache_config, f"{prefix}.layers.{l}")
-                                    for l in range(config.n_layers))
-        self.stream = build_stream(config.residual, dim=config.dim, num_sublayers=config.num_sublayers,
-                                   eps=config.stream_eps, **config.stream_options())
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        super().__init__(config, lambda l: Layer(config, cache_config, f"{prefix}.layers.{l}"))
 
     def hidden_states(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The stream's output ``[N, D]`` for the embedded tokens ``x`` ``[N, D]`` at
-        ``positions`` ``[N]``: each sublayer read, run and written in turn, as
-        ``Transformer.run_sublayers`` does, on the tokens as one row (through the stream's
-        decoder with autograd off)."""
+        ``positions`` ``[N]``: the sublayer loop ``Transformer`` runs (``streams.sublayers``), on
+        the tokens as one row (through the stream's decoder with autograd off)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x, layers = x[None], list(self.layers)
         stream = self.stream.decoder(x) if not torch.is_grad_enabled() else self.stream
-        state = stream.init(x)
-        for i in range(self.config.num_sublayers):
-            layer, h = layers[i >> 1], stream.read(state, i)
-            v = layer.attn(h[0], cos, sin)[None] if i % 2 == 0 else layer.mlp(h)
-            state = stream.write(state, i, v)
-        return stream.output(state)[0]
+
+        def sublayer(i: int, h: torch.Tensor) -> torch.Tensor:
+            layer = layers[i >> 1]
+            return layer.attn(h[0], cos, sin)[None] if i % 2 == 0 else layer.mlp(h)
+
+        return stream.output(run_sublayers(stream, stream.init(x), sublayer, 0, self.config.num_sublayers))[0]
 
 
 def check_served(vllm_config) -> ModelConfig:
