@@ -174,7 +174,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=commands.cmd_generate, loads=("attnres.train.checkpoint", "attnres.train.run_dir"))
+    p.set_defaults(fn=commands.cmd_generate, loads=("attnres.train.checkpoint", "attnres.train.run_files"))
 
 
 def _add_report(sub) -> None:

@@ -285,7 +285,7 @@ def cmd_train(args) -> int:
         if given_settings(args.argv[1:], ("--preset",)):
             raise ValueError("--resume continues the run with the settings it was started with; leave out "
                              "--preset (--set changes one of them, e.g. --set run.steps=2000)")
-        from .train.run_dir import load_run_config
+        from .train.run_files import load_run_config
 
         run_dir = Path(args.run_dir)
         # the saved settings, with --set (e.g. run.steps=2000 to train further, or another
@@ -300,13 +300,13 @@ def cmd_train(args) -> int:
     if cfg.init_from is not None:  # the folder's model, read by the layer that knows its format
         import dataclasses
 
-        from .hf.training import folder_model, saved_init_from
+        from .hf.training import saved_init_from, saved_model
         from .train.source_digest import check_source
 
         if args.resume:  # the folder the run started from, as it was (or moved: --source)
             cfg = check_source(cfg, saved_init_from(run_dir), f"attnres train --resume --run-dir {run_dir} --source DIR",
                                "a new run (attnres train --from MODEL_DIR --run-dir NEW_RUN)", args.source)
-        model = folder_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
+        model = saved_model(cfg.init_from, saved_init_from(run_dir) if args.resume else "--from")
         if not args.resume:  # the run records what it starts from
             cfg = dataclasses.replace(cfg, init_from_digest=model.digest)
     elif args.source:
@@ -350,7 +350,7 @@ def load_run(run_dir: Path, command: str = "attnres generate"):
 
     from .model import Transformer
     from .train.checkpoint import latest_checkpoint, load_checkpoint
-    from .train.run_dir import load_run_config
+    from .train.run_files import load_run_config
     from .train.validate import runnable_model
 
     run_dir = Path(run_dir)
@@ -422,7 +422,7 @@ def check_eval_folder(model_dir) -> None:
     with a ``config.json`` of a saved model; a training run's folder is pointed to ``attnres
     export``, which writes the folder eval reads."""
     from .files import read_json
-    from .train.run_dir import is_run_config
+    from .train.run_files import is_run_config
 
     path = Path(model_dir)
     if not path.is_dir():

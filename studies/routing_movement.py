@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from attnres.files import read_json
-from attnres.train.checkpoint_folder import latest_checkpoint
+from attnres.train.checkpoint_store import latest_checkpoint
 from attnres.train.config import from_dict
 from attnres.train.steps import lr_at
 

@@ -27,7 +27,7 @@ def test_a_prenorm_run_exports_as_llama_with_the_native_exports_logits(tmp_path,
     with torch.no_grad():
         a, b = llama(tokens).logits, native(tokens).logits
     assert (a - b).abs().max() <= 1e-5
-    from attnres.train.run_dir import load_run_config
+    from attnres.train.run_files import load_run_config
 
     assert llama.config.rms_norm_eps == load_run_config(run).model.stream_eps
     assert llama.config.tie_word_embeddings == bool(extra)

@@ -222,7 +222,7 @@ def test_the_tree_check_finds_a_module_without_its_line(tmp_path):
 
 #: the two implementations of what training needs of a model (``train.run_model.RunModel``): the
 #: only modules where a run's kind of model may decide anything
-MODEL_IMPLEMENTATIONS = ("train/run_model.py", "train/folder_model.py")
+MODEL_IMPLEMENTATIONS = ("train/run_model.py", "train/saved_model.py")
 #: the most functions elsewhere that may test which kind of model a run trains
 MAX_MODEL_KIND_TESTS = 5
 

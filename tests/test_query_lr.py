@@ -74,7 +74,7 @@ def test_a_resume_with_another_scale_trains_at_the_new_one(tmp_path):
     from attnres import Transformer
     from attnres.train.checkpoint import latest_checkpoint, load_checkpoint
     from attnres.train.resume import ResumePoint, restore
-    from attnres.train.run_dir import load_run_config
+    from attnres.train.run_files import load_run_config
     from attnres.train.trainer import build_optimizer
 
     run = tmp_path / "run"

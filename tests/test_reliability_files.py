@@ -182,7 +182,7 @@ def test_a_run_saved_before_decode_errors_resumes_as_it_read_its_data(run, tmp_p
     still resumes: its saved data settings agree with the ones it is resumed with."""
     import torch
 
-    from attnres.train.run_dir import load_run_config
+    from attnres.train.run_files import load_run_config
 
     folder = tmp_path / "run"
     shutil.copytree(run, folder)

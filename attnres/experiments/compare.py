@@ -47,7 +47,7 @@ from .designs import check_labels, check_overrides, design_config, design_option
 from ..train.lock import FolderLock
 from ..train.machine import machine
 from .routing_movement import routing_movement
-from ..train.run_dir import RUN_FILES
+from ..train.run_files import RUN_FILES
 from ..signals import Signals, exit_status
 from .step_times import STEP_TIME_ROUNDS, time_steps
 from ..train.run_model import OwnModel, RunModel
@@ -71,7 +71,7 @@ class Plan:
     #: the budgets the baseline also trains at (multiples of ``run.steps``; 1 first), or None
     budgets: list[float] | None = None
     #: a comparison of a model folder (``base.init_from``): ``folders(label, root)`` is the
-    #: ``FolderModel`` of design ``label`` (the source, or a conversion written under ``root``)
+    #: ``SavedModel`` of design ``label`` (the source, or a conversion written under ``root``)
     folders: object | None = None
     #: what ``compare.json`` records of the comparison's source beside the plan (a folder's:
     #: ``init_from`` and ``shock_steps``; nothing for attnres's own designs)
@@ -100,7 +100,7 @@ class Plan:
                                    run=dataclasses.replace(self.base.run, seed=seed, steps=steps))
 
     def run_model(self, label: str, root: Path) -> RunModel:
-        """The model design ``label`` trains (``run_model.RunModel``): the ``FolderModel`` of a
+        """The model design ``label`` trains (``run_model.RunModel``): the ``SavedModel`` of a
         comparison --from a folder, attnres's own otherwise."""
         return OwnModel() if self.folders is None else self.folders(label, root)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from .. import architectures
 from ..analysis.comparison import label_path
 from ..hf.convert import convert_checkpoint
-from ..hf.training import folder_model, read_config
+from ..hf.training import read_config, saved_model
 from ..streams.delta import check_routing_options
-from ..train.folder_model import FolderModel, check_fits
+from ..train.saved_model import SavedModel, check_fits
 from ..train.source_digest import folder_digest
 from .designs import parse_folder_design
 
@@ -35,7 +35,7 @@ class ComparisonFolders:
         that do not fit its model (``options``: label -> ``{"design", "heads", "block_layers"}``)
         and settings of the comparison's config ``base`` the folder cannot serve (a sequence
         past its context, its tokenizer when it has none); a conversion keeps both."""
-        source = folder_model(self.source)
+        source = saved_model(self.source)
         check_fits(dataclasses.replace(base, init_from=str(self.source)), source)
         if self.config.model_type not in architectures.SOURCES:
             raise ValueError(f"--from {self.source}: model_type={self.config.model_type!r}; a comparison converts its "
@@ -49,11 +49,11 @@ class ComparisonFolders:
                 except ValueError as err:
                     raise ValueError(f"design {label!r}: {err}") from None
 
-    def __call__(self, label: str, root: Path) -> FolderModel:
+    def __call__(self, label: str, root: Path) -> SavedModel:
         name, options = parse_folder_design(label)
         if name == "source":
-            return folder_model(self.source)
+            return saved_model(self.source)
         folder = Path(root) / "models" / label_path(label)
         if not (folder / "config.json").is_file():  # written whole or not at all (convert_checkpoint)
             convert_checkpoint(self.source, folder, heads=options["heads"], block_layers=options["block_layers"])
-        return folder_model(folder)
+        return saved_model(folder)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..files import read_json
 from ..train import lock
-from ..train.run_dir import RUN_FILES, not_a_run
+from ..train.run_files import RUN_FILES, not_a_run
 
 #: the tokenizer's files a model folder holds (``convert`` copies those of its source)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

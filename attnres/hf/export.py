@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..files import replace_folder
 from ..train.checkpoint import latest_checkpoint, load_checkpoint
-from ..train.run_dir import load_run_config
+from ..train.run_files import load_run_config
 from .destination import check_destination, held
 from .tokenizer import BYTE_VOCAB
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..train.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from ..train.data import Corpus
-from ..train.folder_model import FolderModel
+from ..train.saved_model import SavedModel
 from ..train.trainer import train
 from .convert import freeze_base, routing_parameters
 from .training import FolderLM, MOE_TYPES, decoder_layers
@@ -40,7 +40,7 @@ def finetune(model, tokens: np.ndarray, *, steps: int, batch_size: int = 4, seq_
     with tempfile.TemporaryDirectory(prefix="attnres-finetune-") as tmp:
         run_dir = Path(tmp) / "run"
         lm = FolderLM(model, moe)
-        folder = FolderModel(Path(tmp), config.model_type, config.vocab_size, config.max_position_embeddings,
+        folder = SavedModel(Path(tmp), config.model_type, config.vocab_size, config.max_position_embeddings,
                              sum(p.numel() for p in model.parameters()),
                              config.router_aux_loss_coef if moe else None, lambda _device: lm.train(), decoder_layers)
         cfg = TrainConfig(

@@ -1,8 +1,8 @@
 """Training a Hugging Face folder's model with attnres's own trainer (``attnres train --from``).
 
-``folder_model(path)`` reads a folder ``attnres convert`` takes (a source architecture of
+``saved_model(path)`` reads a folder ``attnres convert`` takes (a source architecture of
 ``architectures.SOURCES``), one it writes (``attnres_<source>``) or a dense ``attnres export`` and
-hands the trainer a ``train.folder_model.FolderModel``: the trainer builds the model through it
+hands the trainer a ``train.saved_model.SavedModel``: the trainer builds the model through it
 and never imports ``transformers``. ``export_folder_run`` writes such a run's latest checkpoint
 back as a folder of the architecture it came from, with the source folder's tokenizer.
 """
@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .. import architectures
 from ..streams import Stream
-from ..train.folder_model import FolderModel
+from ..train.saved_model import SavedModel
 from ..train.source_digest import check_source, folder_digest
 from .convert import save_with_tokenizer
 from .destination import check_destination, held
@@ -42,7 +42,7 @@ class FolderLM(nn.Module):
     """A ``transformers`` causal LM as the trainer calls a model: token ids ``[B, T]`` in,
     logits ``[B, T, V]`` out; for a mixture of experts ``(logits, balance)``, ``balance`` the
     source architecture's balance loss (unweighted: the trainer weighs it by the folder's
-    ``router_aux_loss_coef``, ``FolderModel.balance_weight``). The router logits are read by hooks on the routers, because a converted
+    ``router_aux_loss_coef``, ``SavedModel.balance_weight``). The router logits are read by hooks on the routers, because a converted
     model's forward calls each MoE block itself and the source's recording of them (through its
     base model's forward) never runs; a source and its conversion so compute it alike."""
 
@@ -118,8 +118,8 @@ def saved_init_from(run_dir: Path) -> str:
     return f"the run's init_from ({Path(run_dir) / 'config.json'})"
 
 
-def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
-    """The model in folder ``path`` as the trainer takes it (``FolderModel``); its sizes are read
+def saved_model(path: str | Path, given: str = "--from") -> SavedModel:
+    """The model in folder ``path`` as the trainer takes it (``SavedModel``); its sizes are read
     from its config alone (the weights load when the trainer builds it). ``given`` names the
     path in errors (``read_config``)."""
     path = Path(path).expanduser().resolve()
@@ -137,7 +137,7 @@ def folder_model(path: str | Path, given: str = "--from") -> FolderModel:
         lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         return FolderLM(lm, moe).to(device).train()
 
-    return FolderModel(path, config.model_type, config.vocab_size, config.max_position_embeddings, parameters,
+    return SavedModel(path, config.model_type, config.vocab_size, config.max_position_embeddings, parameters,
                        config.router_aux_loss_coef if moe else None, build, decoder_layers, tokenizer,
                        folder_digest(path), routing)
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ..architectures import SOURCES
-from ..train.run_dir import is_run_config
+from ..train.run_files import is_run_config
 from . import ARCHITECTURES
 
 #: the architectures ``attnres convert`` converts from, which vLLM serves with its own models

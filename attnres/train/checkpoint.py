@@ -6,7 +6,7 @@ containers, loaded with ``weights_only=True``). A run of several processes write
 folder sharded instead (``train/sharded.py``: DCP's files for the model and the optimizer, and
 ``state.pt`` without the optimizer); every function here reads both. Either is written and
 published atomically, with ``latest`` naming the newest complete one
-(``train/checkpoint_folder.py``).
+(``train/checkpoint_store.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..model import ModelConfig
-from .checkpoint_folder import CheckpointError, is_sharded, latest_checkpoint, prune, publish, write_synced
+from .checkpoint_store import CheckpointError, is_sharded, latest_checkpoint, prune, publish, write_synced
 from .sharded import read_weights
 from .stage_local import meta_model
 from .validate import load_saved

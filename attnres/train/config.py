@@ -132,7 +132,7 @@ class RunConfig:
 class TrainConfig:
     """A run's settings. ``model`` builds attnres's own ``Transformer``; a run that continues
     training a saved folder (``attnres train --from``) names it in ``init_from`` (an absolute
-    path) and has no ``model`` section: its model is the folder's (``train/folder_model.py``).
+    path) and has no ``model`` section: its model is the folder's (``train/saved_model.py``).
     ``init_from_digest`` is that folder's digest when the run started from it
     (``train/source_digest.py``: checked where the run is continued or exported; None for a run
     saved before it was recorded)."""

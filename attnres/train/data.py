@@ -35,7 +35,7 @@ from ..cache import cache_dir
 from .config import DATA_SEED_STRIDE
 from .frozen_corpus import frozen, is_validation, read_frozen, tokens_sha256  # noqa: F401 (is_validation: read here by its users)
 from .lock import LOCK_FILE
-from .run_dir import RUN_FILES
+from .run_files import RUN_FILES
 
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".html", ".json", ".csv", ".tex"}
@@ -259,7 +259,7 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
         desc = f"text from {path}"
     vocab = 256
     if cfg.tokenizer == "model":
-        from .folder_model import encode_text
+        from .saved_model import encode_text
 
         train, val = encode_text(tokenizer, train, cfg.max_train_tokens), encode_text(tokenizer, val, cfg.max_val_tokens)
         vocab = model_vocab_size

@@ -2,7 +2,7 @@
 model as one (``OwnModel``).
 
 A run trains attnres's own ``Transformer`` (its config's ``model`` section) or the model of a
-saved folder (``init_from``, ``attnres train --from``: ``folder_model.FolderModel``, which the
+saved folder (``init_from``, ``attnres train --from``: ``saved_model.SavedModel``, which the
 layer that reads the folder's format makes). The command makes the run's ``RunModel`` once and
 hands it to ``trainer.train``; past that point nothing asks which kind it has: each question
 whose answer differs between the two is a method here, answered by the model itself.
@@ -104,7 +104,7 @@ class OwnModel:
     def check(self, cfg: TrainConfig, device: torch.device) -> None:
         if cfg.init_from is not None:
             raise ValueError(f"init_from={cfg.init_from!r}: the run continues that folder's model, which the trainer "
-                             f"is handed read (attnres.hf.training.folder_model)")
+                             f"is handed read (attnres.hf.training.saved_model)")
         check_backend(cfg.model, device)  # an explicit backend that runs there
 
     def fit_data(self, cfg: TrainConfig, run_dir: Path, corpus: Corpus | None) -> tuple[TrainConfig, Corpus]:

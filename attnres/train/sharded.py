@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import ModelConfig, Transformer, match_param_groups, param_groups
-from .checkpoint_folder import CheckpointError, latest_checkpoint, prune, publish, write_synced
+from .checkpoint_store import CheckpointError, latest_checkpoint, prune, publish, write_synced
 
 
 def _flat_options():

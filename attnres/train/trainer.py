@@ -41,7 +41,7 @@ from .agreed_signal import agreed_signal
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig, to_dict
 from .data import Corpus, batch_at
-from .folder_model import FolderExperts, FolderModel, logits_of
+from .saved_model import SavedExperts, SavedModel, logits_of
 from .machine import machine
 from .parallel_plan import ParallelPlan
 from .pipeline import Pipeline
@@ -50,7 +50,7 @@ from .stage_local import rank_footprint
 from .resume import restore, resume_point, save
 from .run_model import OwnModel, RunModel
 from .run_start import Placement, autocast_for, build_optimizer, load_data, start_processes
-from .run_dir import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
+from .run_files import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 from .validate import check_run
 
@@ -98,7 +98,7 @@ class Run:
     pipe: Pipeline | None
     optimizer: torch.optim.Optimizer
     autocast: Callable
-    experts: ExpertSteps | FolderExperts | None
+    experts: ExpertSteps | SavedExperts | None
     spec: RunModel
     grad_norms: LayerGradNorms = field(default_factory=LayerGradNorms)
     start_step: int = 0
@@ -391,7 +391,7 @@ def _prepare(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None, plan: Paral
 
 def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resume: bool = False,
           overwrite: bool = False, model: RunModel | None = None, plan: ParallelPlan | None = None,
-          folder: FolderModel | None = None, on_step: Callable | None = None) -> TrainResult:
+          folder: SavedModel | None = None, on_step: Callable | None = None) -> TrainResult:
     """Train one model as ``cfg`` says, writing into ``run_dir``; returns the model and summary.
 
     ``resume=True`` continues from ``run_dir``'s latest checkpoint exactly where it stopped. A
@@ -403,7 +403,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     ``model`` is what the run trains (``run_model.RunModel``; default: attnres's own,
     ``OwnModel``). A run with ``cfg.init_from`` continues the model of that folder, read by the
     layer that knows its format and handed over as ``model`` (or ``folder``, the same:
-    ``attnres.hf.training.folder_model``). ``plan`` is the run's parallel plan as
+    ``attnres.hf.training.saved_model``). ``plan`` is the run's parallel plan as
     ``validate.check_run(cfg, processes)`` returned it for the job's processes, when the caller
     checked the settings already; without it they are checked here.
     ``on_step(step, model)`` is called after each optimizer step (``step`` 0-based).

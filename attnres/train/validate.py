@@ -203,7 +203,7 @@ def check_folder_settings(cfg: TrainConfig) -> None:
     """A run that continues a folder's model (``init_from``) reads the folder's tokenizer or the
     bytes, is not pipelined and scales no query learning rate (its model's sublayers are the
     folder's). That ``run.seq_len`` fits the folder's context is checked against the folder
-    itself (``folder_model.check_fits``)."""
+    itself (``saved_model.check_fits``)."""
     if cfg.data.tokenizer == "bpe":
         raise ValueError("data.tokenizer='bpe' trains a new tokenizer, whose ids the model read from a folder "
                          "(--from) never learned: use 'model' (the folder's tokenizer) or 'byte'")

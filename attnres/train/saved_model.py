@@ -2,14 +2,14 @@
 
 The trainer knows only its own ``Transformer``; a folder of another format (a Hugging Face
 Llama, a converted model, an attnres export) is read by the layer that knows that format
-(``attnres.hf.training.folder_model``), which hands the trainer a ``FolderModel``: what the
+(``attnres.hf.training.saved_model``), which hands the trainer a ``SavedModel``: what the
 trainer needs of the model, and a function that builds it. So the trainer imports no
 ``transformers``, and one training loop serves both kinds of model.
 
 The module ``build`` returns takes token ids ``[B, T]`` and returns logits ``[B, T, V]``; a
 mixture-of-experts model returns ``(logits, balance)``, ``balance`` its routers' balance loss,
 which the steps add to the language model's loss with the folder's own weight
-(``FolderModel.balance_weight``, ``FolderExperts``), as ``transformers`` does with
+(``SavedModel.balance_weight``, ``SavedExperts``), as ``transformers`` does with
 ``output_router_logits=True``.
 """
 
@@ -31,7 +31,7 @@ from .source_digest import changes
 
 
 @dataclass(frozen=True)
-class FolderModel:
+class SavedModel:
     """What the trainer needs of a model read from ``folder``.
 
     ``architecture``: the folder's model type (``llama``, ``attnres_qwen3``, ``attnres``, ...);
@@ -92,7 +92,7 @@ class FolderModel:
         return model, wrapped, torch.compile(wrapped) if r.compile else wrapped, None
 
     def expert_steps(self, cfg, model: nn.Module, device: torch.device):
-        return None if self.balance_weight is None else FolderExperts(cfg.run.grad_accum, device, self.balance_weight)
+        return None if self.balance_weight is None else SavedExperts(cfg.run.grad_accum, device, self.balance_weight)
 
     def residual_name(self, cfg) -> str:
         return self.architecture
@@ -144,7 +144,7 @@ def logits_of(outputs) -> torch.Tensor:
     return outputs[0] if isinstance(outputs, tuple) else outputs
 
 
-class FolderExperts:
+class SavedExperts:
     """The mixture-of-experts side of each optimizer step of a folder model (the interface of
     ``steps.ExpertSteps``): each micro-batch's loss is the language model's plus the routers'
     balance loss times ``weight``; ``lm`` is the step's language-model loss (what the log
@@ -171,7 +171,7 @@ class FolderExperts:
         return dict(moe_aux_loss=float(dist.mean_across_ranks(self.balance))) if logging else {}
 
 
-def check_fits(cfg, folder: FolderModel | None) -> None:
+def check_fits(cfg, folder: SavedModel | None) -> None:
     """A run with ``init_from`` (a ``TrainConfig``) is handed that folder's model, whose context
     holds ``run.seq_len``, which has routing parameters where ``optim.routing_lr_scale`` scales
     them, which has the tokenizer ``data.tokenizer='model'`` asks for and, when
@@ -183,7 +183,7 @@ def check_fits(cfg, folder: FolderModel | None) -> None:
         return
     if folder is None:
         raise ValueError(f"init_from={cfg.init_from!r}: the run continues that folder's model, which the trainer is "
-                         f"handed read (attnres.hf.training.folder_model)")
+                         f"handed read (attnres.hf.training.saved_model)")
     if Path(cfg.init_from) != Path(folder.folder):
         raise ValueError(f"init_from={cfg.init_from!r} but the model handed over is {folder.folder}")
     recorded, now = cfg.init_from_digest, folder.digest
@@ -202,7 +202,7 @@ def check_fits(cfg, folder: FolderModel | None) -> None:
                          f"use data.tokenizer='byte' for a model of 256 or more byte tokens")
 
 
-def check_tokens(data, corpus, folder: FolderModel) -> None:
+def check_tokens(data, corpus, folder: SavedModel) -> None:
     """Every token id of ``corpus`` (read as ``data``, a ``DataConfig``, says) is a row of the
     embedding of ``folder``'s model: an id past it would be an index error (a device assert on a
     GPU). ``ValueError`` naming what made the ids (the folder's tokenizer, the bytes, token files)
