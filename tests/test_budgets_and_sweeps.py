@@ -52,7 +52,17 @@ def test_bad_budgets_are_refused_before_any_work(tmp_path, args, message):
     assert out.returncode == 2 and message in out.stderr and not any(tmp_path.iterdir())
 
 
-def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path):
+def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path, monkeypatch):
+    from attnres.experiments import sweep
+
+    planned = []
+
+    def counted(base, *args, **kwargs):
+        planned.append(base.model.n_layers)
+        return plan_comparison(base, *args, **kwargs)
+
+    plan_comparison = sweep.plan_comparison
+    monkeypatch.setattr(sweep, "plan_comparison", counted)
     out = cli_in_process("sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm", "block",
                          "--seeds", "0", "1", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -67,6 +77,7 @@ def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path):
         results = json.loads((root / point["dir"] / "results.json").read_text())["designs"]["block"]
         assert block["gap"] == results["diff_mean"] and block["ci95"] == results["ci95"]
     assert (root / "sweep.png").is_file()
+    assert planned == [2, 3]  # each point planned once: the plan checked up front is the one it runs
 
 
 @pytest.mark.parametrize("over,message", [

@@ -28,7 +28,7 @@ from ..analysis.figures import pyplot, save_figure
 from ..files import new_folder
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
-from .compare import plan_comparison, resume_comparison, run_comparison
+from .compare import Plan, plan_comparison, resume_comparison, run_comparison
 from ..train.config import TrainConfig, apply_overrides, from_dict, to_dict
 from ..train.validate import check_given
 
@@ -117,16 +117,19 @@ def write_sweep_index(root: Path, index: dict) -> None:
     os.replace(tmp, root / SWEEP_FILE)
 
 
-def check_sweep(sweep: Sweep) -> None:
-    """Every point's config checked before any work: each point's values must apply (a field that
-    exists, a value of its type) and give a comparison the designs can run, and no two points
-    may be the same settings (``2,2``, or ``2,02`` for a number: one comparison run twice)."""
+def check_sweep(sweep: Sweep) -> list[Plan]:
+    """Every point's comparison planned before any work, in the order of ``sweep_points``: each
+    point's values must apply (a field that exists, a value of its type) and give a comparison
+    the designs can run, and no two points may be the same settings (``2,2``, or ``2,02`` for a
+    number: one comparison run twice). The plans are the ones the points then run."""
     seen: dict[str, str] = {}
+    plans = []
     for point in sweep_points(sweep.fields):
         where = ", ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = point_config(sweep.base, point)
-            plan_comparison(cfg, sweep.designs, sweep.seeds, sweep.overrides, sweep.baseline, sweep.budgets)
+            plans.append(plan_comparison(cfg, sweep.designs, sweep.seeds, sweep.overrides, sweep.baseline,
+                                         sweep.budgets))
         except ValueError as err:
             raise ValueError(f"sweep point {where}: {err}") from None
         key = json.dumps(to_dict(cfg), sort_keys=True)
@@ -134,16 +137,17 @@ def check_sweep(sweep: Sweep) -> None:
             raise ValueError(f"sweep points {seen[key]} and {where} are the same settings (one comparison run twice): "
                              f"give each value of --over once")
         seen[key] = where
+    return plans
 
 
 def run_sweep(sweep: Sweep, out_dir: str | Path = "runs", log=print) -> tuple[Path, int | None]:
     """Every point's comparison into ``out_dir/sweep-<timestamp>/``; returns the folder and the
     signal that stopped it (None when every point finished)."""
-    check_sweep(sweep)
+    plans = check_sweep(sweep)
     root = new_folder(Path(out_dir), time.strftime("sweep-%Y%m%d-%H%M%S"))
     index = sweep.index()
     write_sweep_index(root, index)
-    return root, _run_points(root, sweep, index, log)
+    return root, _run_points(root, sweep, index, plans, log)
 
 
 def load_sweep(root: Path) -> tuple[Sweep, dict]:
@@ -171,8 +175,8 @@ def resume_sweep(root: str | Path, log=print, allow_mixed_data: bool = False) ->
     sweep, index = load_sweep(root)
     if index.get("complete"):
         raise ValueError(f"the sweep in {root} is complete: nothing to resume")
-    check_sweep(sweep)
-    return root, _run_points(root, sweep, index, log, allow_mixed_data)
+    plans = check_sweep(sweep)
+    return root, _run_points(root, sweep, index, plans, log, allow_mixed_data)
 
 
 def _point_state(point_dir: Path) -> str:
@@ -182,8 +186,11 @@ def _point_state(point_dir: Path) -> str:
     return "complete" if read_record(point_dir).complete else "started"
 
 
-def _run_points(root: Path, sweep: Sweep, index: dict, log, allow_mixed_data: bool = False) -> int | None:
-    for entry in index["points"]:
+def _run_points(root: Path, sweep: Sweep, index: dict, plans: list[Plan], log,
+                allow_mixed_data: bool = False) -> int | None:
+    """Each point not yet complete: a started one's comparison resumed (it plans from its own
+    ``compare.json``), a new one's run from its plan in ``plans``."""
+    for entry, plan in zip(index["points"], plans, strict=True):
         point_dir = root / entry["dir"]
         state = _point_state(point_dir)
         if state == "complete":
@@ -199,8 +206,6 @@ def _run_points(root: Path, sweep: Sweep, index: dict, log, allow_mixed_data: bo
                     raise ValueError(f"{point_dir} holds {leftovers[:3]} but no compare.json: move them away to "
                                      f"rerun the point")
                 point_dir.rmdir()
-            plan = plan_comparison(point_config(sweep.base, entry["values"]), sweep.designs, sweep.seeds,
-                                   sweep.overrides, sweep.baseline, sweep.budgets)
             outcome = run_comparison(plan, root=point_dir, log=log, command=sweep.command)
         if outcome.signal is not None:
             return outcome.signal
