@@ -278,7 +278,7 @@ def test_the_conversion_options_are_refused_without_from(tmp_path):
 
 
 def test_shock_against_curves_worked_by_hand():
-    from attnres.analysis.conversion import shock
+    from attnres.analysis.conversion_stats import shock
 
     control = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.0}  # changes -1, -0.5, -0.5: sd 0.288675...
     converted = {1: 5.0, 2: 4.25, 3: 3.5, 4: 2.9}

@@ -274,7 +274,7 @@ def load_comparison(compare_dir: Path, baseline: str | None = None) -> Compariso
             results["designs"][name]["compute_equivalent"] = entry
     runs = [r for r in runs if r["design"] not in extra]
     if record.init_from and runs:  # a comparison --from a folder: the conversions against the control
-        from .conversion import downstream_results, shock_results
+        from .conversion_stats import downstream_results, shock_results
 
         for name, entry in shock_results(designs, baseline, record.shock_steps or 0).items():
             results["designs"][name]["shock"] = entry

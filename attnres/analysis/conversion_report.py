@@ -1,20 +1,20 @@
 """The sections of a comparison --from a folder's report (``report.write_report``): each
 conversion's optimization shock against its control (``shock_section``) and, with ``--tasks``,
 the downstream answers paired item by item (``downstream_section``), or what the evaluation
-still lacks (``evaluation_pending``). Their numbers are ``analysis/conversion.py``'s.
+still lacks (``evaluation_pending``). Their numbers are ``analysis/conversion_stats.py``'s.
 """
 
 from __future__ import annotations
 
 from ..files import read_json
 from .comparison import Comparison
-from .conversion import first_losses
+from .conversion_stats import first_losses
 from .figures import plot_first_steps
 
 
 def shock_section(c: Comparison, plt) -> list[str]:
     """For a comparison --from a folder: each conversion's first steps against the control's
-    (``analysis/conversion.py``) and the curves of the first seed, with each conversion's
+    (``analysis/conversion_stats.py``) and the curves of the first seed, with each conversion's
     difference to the control (``first_steps.png``)."""
     shocks = {name: e["shock"] for name, e in c.results["designs"].items() if e.get("shock")}
     if not shocks:

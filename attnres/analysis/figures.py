@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from .comparison import val_curve
-from .conversion import step_noise
+from .conversion_stats import step_noise
 
 
 def pyplot():

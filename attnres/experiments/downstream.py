@@ -2,7 +2,7 @@
 ... --tasks``): each finished run exported back to its architecture's folder
 (``export.export_run``) and evaluated with lm-evaluation-harness, its logged samples kept as one
 right-or-wrong per item, in ``downstream.json`` beside ``compare.json``. The report pairs the
-conversions' answers with the control's, seed by seed (``analysis/conversion.py``: McNemar).
+conversions' answers with the control's, seed by seed (``analysis/conversion_stats.py``: McNemar).
 
 The evaluation follows the training (``evaluate_pending``): ``compare.json``'s ``downstream``
 says whether it is ``complete``. SIGINT or SIGTERM stops it where it stands (the runs evaluated
