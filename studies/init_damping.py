@@ -27,8 +27,7 @@ import torch
 from attnres import ModelConfig, Transformer
 from attnres.streams import Trace
 from attnres.train.config import study
-from attnres.train.data import batch_at, load_corpus
-from attnres.train.trainer import EVAL_SEED
+from attnres.train.data import EVAL_SEED, batch_at, load_corpus
 
 
 def model_like(prenorm: Transformer, residual: str, eps: float) -> Transformer:

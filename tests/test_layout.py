@@ -1,5 +1,5 @@
 """The package's shape, checked: no duplicated code, streams that never name a backend, imports
-that point one way from every module, no function longer than ``MAX_FUNCTION_LINES`` and no module
+that point one way from every module and in no circle, no function longer than ``MAX_FUNCTION_LINES`` and no module
 longer than ``MAX_MODULE_LINES``, and a line for every module in docs/ARCHITECTURE.md's tree."""
 
 import ast
@@ -126,6 +126,71 @@ def test_the_import_check_sees_every_form(tmp_path):
     names = [name for _, name in imported_modules(Path("streams/base"), tree)]
     assert names == ["model", "train", "hf.convert", "cli"]
     assert all(layer_of(name) > layer_of("streams") for name in names)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``a.b`` for ``a/b.py``, ``a`` for
+    ``a/__init__.py``), every form counted: at the top, inside a function, under TYPE_CHECKING."""
+    files = {".".join(path.relative_to(package).with_suffix("").parts).removesuffix(".__init__"): path
+             for path in package.rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        rel = path.relative_to(package).with_suffix("")
+        targets = set()
+        for _, name in imported_modules(rel, ast.parse(path.read_text())):
+            parts = name.split(".")
+            # the longest prefix that is a module: ``train.data.Corpus`` is ``train.data``
+            target = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in files), None)
+            if target is not None and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports (its modules in order, the first again at the end), or None. A package's
+    ``__init__`` importing its own modules, and they its names, is the one circle allowed: Python
+    runs the ``__init__`` first."""
+    def inside(a: str, b: str) -> bool:
+        return b.startswith(a + ".") or a.startswith(b + ".")
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if inside(node, target):
+                continue
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_through_a_circle():
+    """No circle of imports among the package's modules, lazy ones included: each dependency
+    points one way inside a layer too."""
+    assert import_circle(import_graph(PACKAGE)) is None
+
+
+def test_the_circle_check_finds_a_lazy_circle(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .c import y\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import z\n")
+    (tmp_path / "d.py").write_text("from .a import x\n")
+    assert import_circle(import_graph(tmp_path)) == ["a", "b", "c", "a"]
+    (tmp_path / "c.py").write_text("import os\n")
+    assert import_circle(import_graph(tmp_path)) is None
 
 
 def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:

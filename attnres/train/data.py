@@ -21,46 +21,21 @@ batches in the same order, and a resumed run continues with exactly the batches 
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
-import stat
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..cache import cache_dir
 from .config import DATA_SEED_STRIDE
-from .frozen_corpus import frozen, is_validation, read_frozen, tokens_sha256  # noqa: F401 (is_validation: read here by its users)
+from .corpus import Corpus, encode, encode_text, kind_of, train_bpe
+from .frozen_corpus import frozen, is_validation, read_frozen  # noqa: F401 (is_validation: read here by its users)
 from .lock import LOCK_FILE
 from .run_files import RUN_FILES
 
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".html", ".json", ".csv", ".tex"}
-
-
-@dataclass
-class Corpus:
-    """Train and validation tokens (1-D integer arrays) and the tokenizer's vocabulary size."""
-
-    train: np.ndarray
-    val: np.ndarray
-    vocab_size: int
-    description: str
-
-    def sha256(self) -> str:
-        """A SHA-256 over the train and then the validation tokens (with their dtype and
-        length), 64 hex digits: equal for two runs that read the same data."""
-        return tokens_sha256(self.train, self.val)
-
-    def digest(self) -> str:
-        """The first 16 hex digits of ``sha256``: ``summary.json``'s ``data_sha256``. The
-        standard library's corpus is the installed interpreter's, so two machines' runs of one
-        command with ``data.source=stdlib`` may read different data; the digest tells that apart
-        from their arithmetic."""
-        return self.sha256()[:16]
 
 
 # -- the standard library ------------------------------------------------------------------
@@ -120,16 +95,6 @@ def stdlib_corpus(val_fraction: float = 0.05, utf8: bool = False) -> tuple[np.nd
 
 # -- other sources ---------------------------------------------------------------------------
 
-def kind_of(path: Path) -> str:
-    """What ``path`` is, in words, when it is neither a file nor a folder."""
-    mode = path.stat().st_mode
-    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "neither a file nor a folder"
-
-
 def is_run_file(path: Path, root: Path) -> bool:
     """Whether ``path`` (under the data folder ``root``) is a file of a training run: it lies,
     under one of the names a run writes (``RUN_FILES``, a cached BPE tokenizer ``bpe-*.json``),
@@ -182,45 +147,6 @@ def text_corpus(path: Path, val_fraction: float, utf8: bool = False):
     return train, val
 
 
-# -- tokenizers ------------------------------------------------------------------------------
-
-def train_bpe(train: np.ndarray, vocab_size: int, key: str, directory: Path | None = None):
-    """A byte-level BPE trained on (up to 20 MB of) the training bytes, cached by content key."""
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError:
-        raise ValueError("data.tokenizer='bpe' needs the 'tokenizers' package: pip install tokenizers") from None
-    directory = Path(directory) if directory else cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"bpe-{vocab_size}-{key}.json"
-    if path.exists():
-        return Tokenizer.from_file(str(path)), path
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    text = bytes(train[:20_000_000]).decode("utf-8", errors="replace")
-    tok.train_from_iterator([text[i : i + 100_000] for i in range(0, len(text), 100_000)], trainer)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
-    return tok, path
-
-
-def encode(tok, data: np.ndarray, limit: int | None = None) -> np.ndarray:
-    """``data`` (UTF-8 bytes) as the ids of the BPE ``tok``, in chunks of a million characters,
-    up to ``limit`` tokens: the chunks past it are not tokenized (the ids are those of the whole
-    text's, cut at ``limit``)."""
-    text = bytes(data).decode("utf-8", errors="replace")
-    ids = []
-    for i in range(0, len(text), 1_000_000):
-        if limit is not None and len(ids) >= limit:
-            break
-        ids.extend(tok.encode(text[i : i + 1_000_000]).ids)
-    return np.asarray(ids[:limit], dtype=np.int32)
-
-
 # -- entry point -----------------------------------------------------------------------------
 
 def is_path_source(source: str) -> bool:
@@ -259,8 +185,6 @@ def load_corpus(cfg, model_vocab_size: int, bpe_dir: Path | None = None, tokeniz
         desc = f"text from {path}"
     vocab = 256
     if cfg.tokenizer == "model":
-        from .saved_model import encode_text
-
         train, val = encode_text(tokenizer, train, cfg.max_train_tokens), encode_text(tokenizer, val, cfg.max_val_tokens)
         vocab = model_vocab_size
         desc += ", the model's tokenizer"
@@ -281,6 +205,10 @@ def check_length(tokens: np.ndarray, seq_len: int, split: str) -> None:
             f"the {split} split has {len(tokens)} tokens, shorter than one sequence of "
             f"run.seq_len={seq_len} + 1 tokens"
         )
+
+
+#: the seed of the evaluation batches (``batch_at``), the same for every run and design
+EVAL_SEED = 20_260_315
 
 
 def batch_at(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int):

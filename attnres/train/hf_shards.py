@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from ..cache import cache_dir
-from .data import Corpus, is_validation, kind_of, train_bpe
+from .corpus import Corpus, kind_of, train_bpe
+from .frozen_corpus import is_validation
 
 SHARDS_JSON = "shards.json"
 FORMAT = 1  # shards.json's layout; a change of it changes every key

@@ -1,5 +1,5 @@
-"""What training needs of a model, whichever kind a run trains (``RunModel``), and attnres's own
-model as one (``OwnModel``).
+"""What training needs of a model, whichever kind a run trains (``RunModel``), attnres's own
+model as one (``OwnModel``), and the run's data fitted to its model (``load_data``).
 
 A run trains attnres's own ``Transformer`` (its config's ``model`` section) or the model of a
 saved folder (``init_from``, ``attnres train --from``: ``saved_model.SavedModel``, which the
@@ -19,7 +19,7 @@ from torch import nn
 from ..model import Transformer
 from . import distributed as dist
 from .config import TrainConfig
-from .data import Corpus, load_corpus
+from .data import Corpus, check_length, load_corpus
 from .materialize import rank_model
 from .pipeline import Pipeline, build_pipeline
 from .resources import check_memory
@@ -174,8 +174,21 @@ class OwnModel:
 
     def analysis(self, model: nn.Module | None, corpus: Corpus, cfg: TrainConfig) -> dict:
         from ..analysis.capture import capture_analysis
-        from .data import batch_at
-        from .trainer import EVAL_SEED
+        from .data import EVAL_SEED, batch_at
 
         x, _ = batch_at(corpus.val, min(8, cfg.run.batch_size), cfg.run.seq_len, EVAL_SEED, 0)
         return capture_analysis(model, x)
+
+
+def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
+              model: RunModel | None = None) -> tuple[TrainConfig, Corpus]:
+    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``; the
+    tokenizer of the folder a run continues, ``data.tokenizer='model'``), and ``cfg`` with
+    the vocabulary ``model`` (default: attnres's own) trains (``RunModel.fit_data``: attnres's
+    own takes the corpus's, a folder's model keeps its own, which must hold every token); both
+    splits hold a sequence."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, corpus = (model or OwnModel()).fit_data(cfg, run_dir, corpus)
+    check_length(corpus.train, cfg.run.seq_len, "training")
+    check_length(corpus.val, cfg.run.seq_len, "validation")
+    return cfg, corpus

@@ -1,13 +1,12 @@
 """A run's parts before its first step, each on its own: where this process runs (``Placement``,
-``start_processes``: the process group, a pipeline's mesh), the data (``load_data``), the optimizer
-(``build_optimizer``) and the autocast of its steps (``autocast_for``). ``trainer.start`` puts
-them together with the model (``RunModel.instantiate``) in a ``Run``."""
+``start_processes``: the process group, a pipeline's mesh), the optimizer (``build_optimizer``)
+and the autocast of its steps (``autocast_for``). ``trainer.start`` puts them together with the
+data (``run_model.load_data``) and the model (``RunModel.instantiate``) in a ``Run``."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -15,10 +14,8 @@ import torch
 from ..model import Transformer, param_groups
 from . import distributed as dist
 from .config import OptimConfig, TrainConfig
-from .data import Corpus, check_length
 from .parallel_plan import ParallelPlan
 from .pipeline import Groups, pipeline_groups
-from .run_model import OwnModel, RunModel
 
 
 @dataclass
@@ -42,20 +39,6 @@ def start_processes(cfg: TrainConfig, plan: ParallelPlan) -> Placement:
         return Placement(plan, info, info.rank, info.world_size)
     groups = pipeline_groups(plan, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
     return Placement(plan, info, groups.replica_index, groups.replica_count, groups)
-
-
-def load_data(cfg: TrainConfig, run_dir: Path, corpus: Corpus | None = None,
-              model: RunModel | None = None) -> tuple[TrainConfig, Corpus]:
-    """``corpus``, or the one ``cfg.data`` names (a BPE tokenizer cached in ``run_dir``; the
-    tokenizer of the folder a run continues, ``data.tokenizer='model'``), and ``cfg`` with
-    the vocabulary ``model`` (default: attnres's own) trains (``RunModel.fit_data``: attnres's
-    own takes the corpus's, a folder's model keeps its own, which must hold every token); both
-    splits hold a sequence."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg, corpus = (model or OwnModel()).fit_data(cfg, run_dir, corpus)
-    check_length(corpus.train, cfg.run.seq_len, "training")
-    check_length(corpus.val, cfg.run.seq_len, "validation")
-    return cfg, corpus
 
 
 def build_optimizer(cfg: OptimConfig, model: Transformer) -> torch.optim.Optimizer:

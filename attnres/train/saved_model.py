@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -123,20 +122,6 @@ class SavedModel:
 
     def analysis(self, model, corpus, cfg) -> None:
         return None
-
-
-def encode_text(tokenizer, data: np.ndarray, limit: int | None = None, chunk: int = 1_000_000) -> np.ndarray:
-    """``data`` (UTF-8 bytes, ``uint8``) as the token ids of ``tokenizer`` (``encode(text)``
-    without special tokens), in chunks of ``chunk`` characters, up to ``limit`` tokens (the
-    chunks past it are not tokenized). A chunk boundary may split a word the tokenizer would
-    have kept whole; at a million characters that is rare."""
-    text = bytes(data).decode("utf-8", errors="replace")
-    ids: list[int] = []
-    for i in range(0, len(text), chunk):
-        if limit is not None and len(ids) >= limit:
-            break
-        ids.extend(tokenizer.encode(text[i : i + chunk], add_special_tokens=False))
-    return np.asarray(ids[:limit], dtype=np.int64)
 
 
 def logits_of(outputs) -> torch.Tensor:

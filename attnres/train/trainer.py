@@ -40,21 +40,19 @@ from . import lock
 from .agreed_signal import agreed_signal
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig, to_dict
-from .data import Corpus, batch_at
-from .saved_model import SavedExperts, SavedModel, logits_of
+from .data import EVAL_SEED, Corpus, batch_at
 from .machine import machine
 from .parallel_plan import ParallelPlan
 from .pipeline import Pipeline
 from .resources import peak_memory_mib
 from .stage_local import rank_footprint
 from .resume import restore, resume_point, save
-from .run_model import OwnModel, RunModel
-from .run_start import Placement, autocast_for, build_optimizer, load_data, start_processes
+from .run_model import OwnModel, RunModel, load_data
+from .run_start import Placement, autocast_for, build_optimizer, start_processes
 from .run_files import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
+from .saved_model import SavedExperts, SavedModel, logits_of
 from .steps import ExpertSteps, LayerGradNorms, accumulate_gradients, lr_at, micro_step
 from .validate import check_run
-
-EVAL_SEED = 20_260_315  # evaluation batches are the same for every run and design
 
 
 class TrainingDiverged(RuntimeError):
