@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 
@@ -129,5 +130,7 @@ def pause_at(point: str) -> None:
     guessed delay."""
     if os.environ.get("ATTNRES_PAUSE_AT") == point:
         print(f"attnres: paused at {point}", file=sys.stderr, flush=True)
+        # Short sleeps, not signal.pause(): a signal that lands between the print and the pause
+        # would leave pause() waiting for another; a sleep ends and its handler runs at once.
         while True:
-            signal.pause()
+            time.sleep(0.05)
