@@ -289,6 +289,10 @@ def starting():
 
 def main(argv=None) -> int:
     command = "attnres"
+    if threading.current_thread() is threading.main_thread():
+        # A process started while its parent held SIGINT and SIGTERM blocked inherits that mask,
+        # and then no Ctrl-C would ever arrive: the command line's promises need them unblocked.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         with starting():
             pause_at("start")

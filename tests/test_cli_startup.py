@@ -130,6 +130,27 @@ POINTS = [("start", False, "attnres: interrupted"), ("parsed", False, "attnres: 
           ("loaded", True, "attnres: interrupted"), ("running", True, "attnres train: interrupted")]
 
 
+def test_ctrl_c_reaches_a_command_started_with_its_signals_blocked(tmp_path):
+    """A parent that holds SIGINT and SIGTERM blocked while it starts ``attnres`` passes that
+    mask on; the command unblocks them, so a Ctrl-C while it starts still ends it with one line."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir",
+                                 str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path, env={**os.environ, "ATTNRES_PAUSE_AT": "start"})
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    try:
+        assert first_line(proc.stderr, timeout=120) == "attnres: paused at start\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (proc.returncode, err, out) == (130, "attnres: interrupted\n", "")
+
+
 @pytest.mark.parametrize("point,torch_loaded,line", POINTS, ids=[p[0] for p in POINTS])
 def test_ctrl_c_while_starting_prints_one_line_and_exits_130(tmp_path, point, torch_loaded, line):
     """``attnres train`` stopped at a point of its start-up (``ATTNRES_PAUSE_AT``), then sent
