@@ -2,6 +2,7 @@
 at any point of start-up prints one line and exits 130. Each case runs in a fresh interpreter
 (a module once imported stays imported)."""
 
+import contextlib
 import json
 import os
 import queue
@@ -124,6 +125,20 @@ def torch_is_loaded(pid: int) -> bool | None:
     return "libtorch" in maps.read_text() if maps.exists() else None
 
 
+@contextlib.contextmanager
+def as_a_terminal_starts_it():
+    """SIGINT and SIGTERM as a shell in a terminal leaves them to the command it starts: neither
+    ignored nor blocked. A test worker's own state (an xdist worker may hold either) would
+    otherwise pass to the child, whose Ctrl-C then never arrives."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, previous)
+
+
 #: each point of start-up (``cli.PAUSE_POINTS``), whether PyTorch is loaded there, and the line a
 #: Ctrl-C there prints
 POINTS = [("start", False, "attnres: interrupted"), ("parsed", False, "attnres: interrupted"),
@@ -157,9 +172,10 @@ def test_ctrl_c_while_starting_prints_one_line_and_exits_130(tmp_path, point, to
     SIGINT: one line on stderr, exit status 130, no run folder; before PyTorch loads and after
     (the trainer's modules imported), as the command starts to run too."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "ATTNRES_PAUSE_AT": point})
+    with as_a_terminal_starts_it():
+        proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir",
+                                 str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path, env={**os.environ, "ATTNRES_PAUSE_AT": point})
     try:
         marker = first_line(proc.stderr, timeout=120)
         assert marker == f"attnres: paused at {point}\n", marker
