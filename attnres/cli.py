@@ -88,7 +88,7 @@ def _add_compare(sub) -> None:
                                 "tokens per parameter at width 48")
     p.add_argument("--designs", nargs="+", metavar="DESIGN", type=_design_label,
                    help=f"from {sorted(DESIGNS)}, each optionally with options of its own, name:field=value:..., "
-                        f"e.g. full:norm_eps=1e-12 block:block_size=4 (default: the preset's, else "
+                        f"e.g. full:norm_eps=1e-6 block:block_size=4 (default: the preset's, else "
                         f"{' '.join(DEFAULT_DESIGNS)})")
     p.add_argument("--seeds", nargs="+", type=int,
                    help="one run per design per seed; several give paired intervals (default: the preset's, else 0)")

@@ -82,7 +82,8 @@ def test_a_sweep_runs_a_comparison_per_point_and_summarizes_them(tmp_path, monke
 
 @pytest.mark.parametrize("over,message", [
     (["--over", "model.n_layers=2,3", "--over", "model.dim=32"], "zipped by position"),
-    (["--over", "model.block_size=2,4"], "the residual design and its options are the designs' own"),
+    (["--over", "model.block_size=2,4"], "the residual design, its options and its epsilon are the designs' own"),
+    (["--over", "model.norm_eps=1e-6,1e-12"], "the residual design, its options and its epsilon are the designs' own"),
     (["--over", "model.n_layers"], "give SECTION.FIELD=V1,V2"),
     ([], "needs at least one --over"),
     (["--over", "model.n_layers=2,x"], "model.n_layers"),

@@ -182,28 +182,31 @@ def test_compare_refuses_options_that_apply_to_no_design(tmp_path, args, message
 
 
 def test_variants_of_one_design_stand_side_by_side_with_their_paired_interval(tmp_path):
-    """`attnres compare --preset tiny --designs full full:norm_eps=1e-12 --seeds 0 1 2` on a short budget: two labels of one design, each with its own
-    folder, options and row, and the paired interval between them in results.json."""
-    proc = run_compare(tmp_path, "--designs", "full", "full:norm_eps=1e-12", "--seeds", "0", "1", "2",
+    """`attnres compare --preset tiny --designs full full:norm_eps=1e-6 --seeds 0 1 2` on a short budget: two
+    labels of one design, each with its own folder, options and row, and the paired interval between them in
+    results.json."""
+    proc = run_compare(tmp_path, "--designs", "full", "full:norm_eps=1e-6", "--seeds", "0", "1", "2",
                        "--set", "run.steps=1", "--set", "run.eval_every=1")
     assert proc.returncode == 0, proc.stderr
     report = Path(proc.stdout.strip().splitlines()[-1])
     root = report.parent
     results = json.loads((root / "results.json").read_text())
-    assert results["baseline"] == "full" and set(results["designs"]) == {"full", "full:norm_eps=1e-12"}
-    variant = results["designs"]["full:norm_eps=1e-12"]
+    assert results["baseline"] == "full" and set(results["designs"]) == {"full", "full:norm_eps=1e-6"}
+    variant = results["designs"]["full:norm_eps=1e-6"]
     diffs = [variant["val_loss"][s] - results["designs"]["full"]["val_loss"][s] for s in "012"]
     assert variant["diff_mean"] == pytest.approx(sum(diffs) / 3, abs=1e-12) and len(variant["ci95"]) == 2
     for seed in range(3):
-        model = json.loads((root / f"full+norm_eps=1e-12-seed{seed}" / "config.json").read_text())["model"]
-        assert (model["residual"], model["norm_eps"]) == ("full", 1e-12)
-        assert json.loads((root / f"full-seed{seed}" / "config.json").read_text())["model"]["norm_eps"] == 1e-6
+        model = json.loads((root / f"full+norm_eps=1e-6-seed{seed}" / "config.json").read_text())["model"]
+        assert (model["residual"], model["norm_eps"]) == ("full", 1e-6)
+        # the design without one runs at its kind's default, Full's 1e-12
+        assert json.loads((root / f"full-seed{seed}" / "config.json").read_text())["model"]["norm_eps"] == 1e-12
     text = report.read_text()
-    assert "| full:norm_eps=1e-12 | full | norm_eps=1e-12 |" in text
-    assert (root / "depth_weights_full+norm_eps=1e-12.png").read_bytes()[:4] == b"\x89PNG"
-    entries = json.loads((root / "compare.json").read_text())["runs"]
-    assert {(e["design"], e["dir"]) for e in entries if e["seed"] == 0} == {
-        ("full", "full-seed0"), ("full:norm_eps=1e-12", "full+norm_eps=1e-12-seed0")}
+    assert "| full:norm_eps=1e-6 | full | norm_eps=1e-06 |" in text
+    assert (root / "depth_weights_full+norm_eps=1e-6.png").read_bytes()[:4] == b"\x89PNG"
+    record = json.loads((root / "compare.json").read_text())
+    assert {(e["design"], e["dir"]) for e in record["runs"] if e["seed"] == 0} == {
+        ("full", "full-seed0"), ("full:norm_eps=1e-6", "full+norm_eps=1e-6-seed0")}
+    assert record["kind_norm_eps"]["full"] == 1e-12 and record["kind_norm_eps"]["prenorm"] == 1e-6
 
 
 def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_path):
@@ -218,7 +221,32 @@ def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_p
     assert design_options(base, "mhar:heads=1", set_) == dict(residual="block", num_blocks=2, heads=1)
     assert design_options(base, "block", set_) == dict(residual="block", num_blocks=2, heads=2)
     config = design_config(base, "block:block_sizes=4,4,6,2")
-    assert (config.block_sizes, config.num_blocks, config.norm_eps) == ((4, 4, 6, 2), None, base.norm_eps)
+    assert (config.block_sizes, config.num_blocks, config.norm_eps) == ((4, 4, 6, 2), None, 1e-12)
+
+
+def test_each_design_runs_at_its_kinds_epsilon_unless_given_and_an_older_comparison_keeps_its_own():
+    """A design given no ``norm_eps`` runs at its kind's default (Block, MHAR, Full 1e-12; the
+    others 1e-6); ``--set model.norm_eps`` gives every design one, and a label's own wins. A
+    comparison saved before the kinds had their own defaults (no ``kind_norm_eps`` in its file)
+    plans every design at its saved config's epsilon, as it began."""
+    from attnres.experiments.compare import plan_comparison
+    from attnres.experiments.designs import EPSILONS_KEY, saved_overrides, split_residual_overrides
+    from attnres.train.config import preset, to_dict
+
+    base = preset("tiny")
+    designs = ["prenorm", "block", "mhar", "full", "hc", "full:norm_eps=1e-6"]
+
+    def epsilons(overrides):
+        plan = plan_comparison(base, designs, [0], overrides, None)
+        return [plan.configs[label].norm_eps for label in designs]
+
+    assert epsilons({}) == [1e-6, 1e-12, 1e-12, 1e-12, 1e-6, 1e-6]
+    shared, overrides = split_residual_overrides(["model.norm_eps=1e-5", "run.steps=3"])
+    assert (shared, overrides) == (["run.steps=3"], {"norm_eps": 1e-5})
+    assert epsilons(overrides) == [1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-6]
+    older = {"config": to_dict(base), "overrides": {}}
+    assert epsilons(saved_overrides({}, older["config"], older)) == [1e-6] * 6
+    assert saved_overrides({}, older["config"], {**older, EPSILONS_KEY: {}}) == {}
 
 
 @pytest.mark.parametrize("design,message", [

@@ -5,6 +5,7 @@ import torch
 
 from attnres import ModelConfig, Trace, Transformer, param_groups
 from attnres.model import sample
+from attnres.ops.rmsnorm import RMSNorm
 from attnres.streams import Decoder
 
 from .conftest import DECODED, DESIGNS, NO_BACKEND, randomize_stream, tiny_config, tiny_model
@@ -380,3 +381,15 @@ def test_an_epsilon_relative_to_the_initial_scale_reaches_every_norm_of_the_stre
     assert Transformer(tiny_config(residual="full", norm_eps=1e-6)).stream.final_norm.eps == 1e-6
     with pytest.raises(ValueError, match=r"norm_eps_scale='embedding' is not one of \('absolute', 'init'\)"):
         tiny_config(norm_eps_scale="embedding")
+
+
+@pytest.mark.parametrize("kind, eps", [("prenorm", 1e-6), ("block", 1e-12), ("full", 1e-12), ("delta", 1e-6),
+                                       ("denseformer", 1e-6), ("hc", 1e-6), ("mhc", 1e-6), ("gr", 1e-6)])
+def test_each_residual_kind_has_the_epsilon_found_best_for_it_unless_one_is_given(kind, eps):
+    """A config without ``norm_eps`` takes its kind's default (docs/RESULTS.md, "Epsilon for every
+    design"), every norm of the model takes it, and one given is kept whatever the kind."""
+    config = tiny_config(residual=kind)
+    assert config.norm_eps == eps and config.stream_eps == eps
+    model = Transformer(config)
+    assert {m.eps for m in model.modules() if isinstance(m, RMSNorm) or m is model.stream} == {eps}
+    assert tiny_config(residual=kind, norm_eps=1e-5).norm_eps == 1e-5

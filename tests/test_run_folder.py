@@ -103,7 +103,8 @@ def test_a_refused_run_leaves_no_files_and_overwrite_keeps_the_lock(tmp_path, da
 
 def test_settings_are_checked_as_one_whole(tmp_path):
     """The order of ``--set`` of different fields never matters (a field given twice takes its
-    last value, as before); a derived default (``ffn_dim``, ``n_kv_heads``) follows the field it derives from."""
+    last value, as before); a derived default (``ffn_dim``, ``n_kv_heads``, ``norm_eps``) follows the field it
+    derives from."""
     from attnres.train.config import apply_overrides, tiny
 
     pairs = (["model.block_size=2", "model.residual=block"], ["model.moe_top_k=1", "model.moe_experts=2"])
@@ -112,6 +113,11 @@ def test_settings_are_checked_as_one_whole(tmp_path):
     assert apply_overrides(tiny(), ["optim.lr=0.1", "model.dim=64", "optim.lr=0.2"]).optim.lr == 0.2  # the last
     cfg = apply_overrides(tiny(), ["model.dim=64", "model.n_heads=4"])
     assert (cfg.model.ffn_dim, cfg.model.n_kv_heads) == (192, 4)  # as ModelConfig(dim=64, n_heads=4) derives them
+    # the epsilon's default is the residual kind's: it follows model.residual unless given too
+    assert apply_overrides(tiny(), ["model.residual=block"]).model.norm_eps == 1e-12
+    assert apply_overrides(tiny(), ["model.norm_eps=1e-6", "model.residual=full"]).model.norm_eps == 1e-6
+    full = apply_overrides(tiny(), ["model.residual=full"])
+    assert apply_overrides(full, ["model.residual=hc"]).model.norm_eps == 1e-6
     proc = cli_in_process("train", "--preset", "tiny", "--run-dir", tmp_path / "r", "--set", "model.block_size=2",
                           "--set", "model.residual=block", "--set", "run.steps=1", "--set", "run.progress=false")
     assert proc.returncode == 0, proc.stderr

@@ -59,7 +59,8 @@ class ComparisonRecord:
     the residual options given for every design; ``budgets`` the multiples the baseline also
     trains at (or None); ``runs`` those recorded so far. A comparison --from a folder adds its
     source (``init_from``), the steps its shock is measured over (``shock_steps``) and its
-    evaluation (``downstream``); training adds the machines it ran on, the step timing of a
+    evaluation (``downstream``); ``kind_norm_eps`` each residual kind's default epsilon, which
+    a design not given one ran at; training adds the machines it ran on, the step timing of a
     comparison with budgets (``step_times``), the wall time so far (``wall_time_s``) and, when a
     signal stopped it, its name (``stopped_by``)."""
 
@@ -80,6 +81,9 @@ class ComparisonRecord:
     step_times: dict | None = None
     wall_time_s: float | None = None
     stopped_by: str | None = None
+    #: each residual kind's default ``norm_eps`` when the comparison was planned (a record
+    #: without it ran every design at its ``config``'s ``norm_eps`` unless the design set one)
+    kind_norm_eps: dict | None = None
     #: keys this version does not know, kept as read
     other: dict = field(default_factory=dict)
 

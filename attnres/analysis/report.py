@@ -244,8 +244,8 @@ def _packages_note(c: Comparison) -> list[str]:
 
 
 def _epsilon_note(c: Comparison) -> list[str]:
-    """Which ``norm_eps`` each design ran at, and which setting compares them fairly (the
-    measurement behind it: docs/RESULTS.md, "Epsilon for every design: the default settled")."""
+    """Which ``norm_eps`` each design ran at, and where the defaults come from (the measurement
+    behind them: docs/RESULTS.md, "Epsilon for every design: the default settled")."""
     ran = {}
     for r in c.runs:
         m = r["config"]["model"]
@@ -255,12 +255,11 @@ def _epsilon_note(c: Comparison) -> list[str]:
     if not ran:
         return []
     at = "; ".join(f"{eps}: {', '.join(dict.fromkeys(names))}" for eps, names in ran.items())
-    return ["", f"Epsilon (`model.norm_eps`) by design: {at}. No one value compares every design at its best at "
-                "the study's size on the standard library corpus (docs/RESULTS.md, \"Epsilon for every design\"): at "
-                "the default 1e-6 the AttnRes designs' reads are damped early (Full ends 0.058 and Block 0.025 nats worse than at 1e-12, resolved "
-                "over six seeds), and at 1e-12 HC, mHC, GR and Delta end worse on the mean (+0.012 to +0.047 nats over "
-                "three seeds, not resolved). Compare Block, MHAR and Full at `norm_eps=1e-12` "
-                "(`full:norm_eps=1e-12`) and the other designs at the default.", ""]
+    return ["", f"Epsilon (`model.norm_eps`) by design: {at}. A design given none runs at its residual kind's "
+                "default, the value docs/RESULTS.md found best for it (\"Epsilon for every design\"): 1e-12 for "
+                "Block, MHAR and Full, whose reads 1e-6 damps early (Full 0.058 and Block 0.025 nats worse, resolved "
+                "over six seeds), and 1e-6 for the others (at 1e-12 HC, mHC, GR and Delta end worse on the mean, "
+                "+0.012 to +0.047 nats over three seeds, not resolved).", ""]
 
 
 def _tokens_text(c: Comparison) -> str:

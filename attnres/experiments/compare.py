@@ -43,7 +43,8 @@ from ..model import ModelConfig
 from ..names import DEFAULT_DESIGNS
 from ..train.checkpoint import latest_checkpoint
 from ..train.config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
-from .designs import check_labels, check_overrides, design_config, design_options, optim_fields, parse_folder_design
+from .designs import (check_labels, check_overrides, design_config, design_options, kind_epsilons, optim_fields,
+                      parse_folder_design, saved_overrides)
 from ..train.lock import FolderLock
 from ..train.machine import machine
 from .routing_movement import routing_movement
@@ -250,7 +251,8 @@ def run_comparison(plan: Plan, *, out_dir: str | Path = "runs", root: Path | Non
         root.mkdir(parents=True)
     record = ComparisonRecord(plan.designs, plan.seeds, complete=False, baseline=plan.baseline, command=command,
                               steps=base.run.steps, config=to_dict(base), overrides=plan.overrides,
-                              budgets=plan.budgets, **plan.source_entries, **(extra or {}))
+                              budgets=plan.budgets, kind_norm_eps=kind_epsilons(), **plan.source_entries,
+                              **(extra or {}))
     write_record(root, record)
     return train_designs(root, plan, record, log, allow_mixed_data)
 
@@ -272,8 +274,8 @@ def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_dat
     if not isinstance(record.overrides, dict) or record.steps != base.run.steps:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
-    plan = plan_comparison(base, record.designs, record.seeds, record.overrides, record.baseline, record.budgets,
-                           folders)
+    overrides = saved_overrides(record.overrides, record.config, record.to_json())
+    plan = plan_comparison(base, record.designs, record.seeds, overrides, record.baseline, record.budgets, folders)
     if _all_finished(record, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")

@@ -11,13 +11,20 @@ import typing
 
 from ..analysis.comparison import label_path
 from ..model import ModelConfig
+from ..model_config import default_norm_eps
 from ..names import COMPARISON_PRESETS, CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS
-from ..streams import MODEL_OPTIONS, STREAMS
+from ..streams import KINDS, MODEL_OPTIONS, STREAMS
 from ..train.config import OptimConfig, parse_value
 
 
-#: what every design of a comparison shares: the model's fields but the residual kind and options
-SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "residual" and f.name not in MODEL_OPTIONS)
+#: model fields a comparison's ``--set`` gives every design, as it gives a residual option, which
+#: a design's label may replace: ``norm_eps``, whose default is each residual kind's own
+#: (``model_config.default_norm_eps``)
+EVERY_DESIGN = ("norm_eps",)
+#: what every design of a comparison shares: the model's fields but the residual kind, its options
+#: and those of ``EVERY_DESIGN``
+SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                    if f.name != "residual" and f.name not in MODEL_OPTIONS and f.name not in EVERY_DESIGN)
 
 
 def comparison_choice(preset: str, designs=None, seeds=None) -> tuple[list[str], list[int]]:
@@ -43,12 +50,12 @@ def parse_design(label: str) -> tuple[str, dict]:
     (as ``--set model.<field>`` names it) or ``norm_eps``, its value parsed by the field's type::
 
         full                          ->  ("full", {})
-        full:norm_eps=1e-12           ->  ("full", {"norm_eps": 1e-12})
+        full:norm_eps=1e-6            ->  ("full", {"norm_eps": 1e-06})
         block:block_sizes=4,4,6,2     ->  ("block", {"block_sizes": (4, 4, 6, 2)})
 
     ``ValueError`` names the label and what is accepted for anything else."""
     if not isinstance(label, str) or not label:
-        raise ValueError(f"design {label!r}: expected a design name, e.g. 'full' or 'full:norm_eps=1e-12'")
+        raise ValueError(f"design {label!r}: expected a design name, e.g. 'full' or 'full:norm_eps=1e-6'")
     odd = sorted(set(label) - LABEL_CHARACTERS)
     if odd:
         raise ValueError(f"design {label!r}: the characters {odd} are not accepted; a label is "
@@ -145,7 +152,8 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
     """The residual kind and options of design ``label`` (a name of ``DESIGNS`` with its own
     options, ``parse_design``) for ``base``'s sizes: the design's defaults, then ``overrides``
     (residual options the user set for every design) where its kind takes them, then the
-    label's own options, which win; ``norm_eps`` only when the label sets it."""
+    label's own options, which win; ``norm_eps`` only when given (else the model's config
+    takes the design's kind's default)."""
     name, own = parse_design(label)
     options = dict(DESIGNS[name])
     if options.get("heads") == "n_kv_heads":
@@ -154,7 +162,7 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
         options["num_blocks"] = min(options["num_blocks"], base.num_sublayers)
     takes = STREAMS[options["residual"]].options()
     shared = {name: value for name, value in (overrides or {}).items()
-              if name == "residual" or MODEL_OPTIONS[name].name in takes}
+              if name == "residual" or name in EVERY_DESIGN or MODEL_OPTIONS[name].name in takes}
     for given in (shared, own):  # the label's own options last: they win
         sizing = set(BLOCK_SIZING) & set(given)
         if sizing:  # one way of sizing the blocks replaces another given before
@@ -167,8 +175,8 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
 def design_config(base: ModelConfig, label: str, overrides: dict | None = None,
                   options: dict | None = None) -> ModelConfig:
     """``base``'s sizes with design ``label``'s residual options (``options``, when already
-    made by ``design_options``; its optimizer fields aside); a ``norm_eps`` among them replaces
-    the base's."""
+    made by ``design_options``; its optimizer fields aside) and its ``norm_eps``: the one among
+    them, else its residual kind's default, never the base's."""
     sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
     options = options or design_options(base, label, overrides)
     return ModelConfig(**{**sizes, **{k: v for k, v in options.items() if k not in OPTIM_VARIANT_FIELDS}})
@@ -179,6 +187,8 @@ def check_overrides(designs, overrides: dict) -> None:
     ``residual`` (the designs choose it) must agree with all of them."""
     kinds = {label: design_kind(label) for label in designs}
     for name, value in overrides.items():
+        if name in EVERY_DESIGN:
+            continue
         if name == "residual":
             other = [label for label, kind in kinds.items() if kind != value]
             if other:
@@ -210,18 +220,41 @@ def check_labels(designs) -> None:
 
 
 def split_residual_overrides(assignments) -> tuple[list[str], dict]:
-    """``--set`` assignments split into those of the shared config and the residual ones
-    (``model.residual`` and ``model.<option>``), the latter parsed: ``(others, {field: value})``."""
+    """``--set`` assignments split into those of the shared config and the designs' own ones
+    (``model.residual``, ``model.<option>`` and those of ``EVERY_DESIGN``), the latter parsed:
+    ``(others, {field: value})``."""
     hints = typing.get_type_hints(ModelConfig)
     others, overrides = [], {}
     for assignment in assignments:
         key, _, value = assignment.partition("=")
         section, _, name = key.partition(".")
-        if section == "model" and (name in MODEL_OPTIONS or name == "residual") and "=" in assignment:
+        if section == "model" and (name in MODEL_OPTIONS or name in ("residual", *EVERY_DESIGN)) and "=" in assignment:
             overrides[name] = parse_value(value, hints[name], key)
         else:
             others.append(assignment)
     return others, overrides
+
+
+def kind_epsilons() -> dict[str, float]:
+    """Each residual kind's default ``norm_eps`` (``model_config.default_norm_eps``), as
+    ``compare.json`` and ``sweep.json`` record it (``EPSILONS_KEY``)."""
+    return {kind: default_norm_eps(kind) for kind in KINDS}
+
+
+#: the key under which a comparison's or sweep's file records ``kind_epsilons``; one written
+#: before each kind had its own default lacks it
+EPSILONS_KEY = "kind_norm_eps"
+
+
+def saved_overrides(overrides: dict, config: dict, saved: dict) -> dict:
+    """The designs' own options of a saved comparison or sweep (its ``overrides``, ``config``
+    and the whole file ``saved``), as planned now. A file without ``EPSILONS_KEY`` was written
+    when every design took its shared config's ``norm_eps``: that value is then given to every
+    design, as ``--set model.norm_eps`` gives it now, so that the comparison continues as it began."""
+    model = config.get("model")
+    if EPSILONS_KEY in saved or model is None or "norm_eps" in overrides:
+        return overrides
+    return {**overrides, "norm_eps": model["norm_eps"]}
 
 
 def optim_fields(options: dict) -> dict:

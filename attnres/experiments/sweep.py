@@ -29,13 +29,15 @@ from ..files import new_folder
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import Plan, plan_comparison, resume_comparison, run_comparison
+from .designs import EPSILONS_KEY, EVERY_DESIGN, kind_epsilons, saved_overrides
 from ..train.config import TrainConfig, apply_overrides, from_dict, to_dict
 from ..train.validate import check_given
 
 SWEEP_FILE = "sweep.json"
 #: fields that are a design's, not the comparison's (a sweep over them would change designs within
 #: a point), and fields a comparison sets itself (the seeds, its runs' names and folders)
-NOT_SWEPT = ("model.residual", *(f"model.{name}" for name in MODEL_OPTIONS), "run.seed", "run.name", "run.out_dir")
+NOT_SWEPT = ("model.residual", *(f"model.{name}" for name in (*MODEL_OPTIONS, *EVERY_DESIGN)), "run.seed", "run.name",
+             "run.out_dir")
 
 
 def parse_over(over: list[str]) -> dict[str, list[str]]:
@@ -51,9 +53,9 @@ def parse_over(over: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"--over names {key} twice: give each field once, its values comma-separated")
         if key in NOT_SWEPT:
             raise ValueError(f"--over {key}: a sweep changes what every design of a point shares (sizes, steps, "
-                             f"data); the residual design and its options are the designs' own (e.g. "
-                             f"block:block_size=4), the seeds are --seeds', and run.name and run.out_dir the "
-                             f"comparison's own")
+                             f"data); the residual design, its options and its epsilon are the designs' own "
+                             f"(e.g. block:block_size=4, block:norm_eps=1e-6), the seeds are --seeds', and run.name "
+                             f"and run.out_dir the comparison's own")
         fields[key] = [v.strip() for v in values.split(",")]
         if any(not v for v in fields[key]):
             raise ValueError(f"--over {item!r}: an empty value")
@@ -106,7 +108,7 @@ class Sweep:
     def index(self) -> dict:
         return {"complete": False, "over": self.fields, "designs": self.designs, "seeds": self.seeds,
                 "baseline": self.baseline, "budgets": self.budgets, "command": self.command,
-                "config": to_dict(self.base), "overrides": self.overrides,
+                "config": to_dict(self.base), "overrides": self.overrides, EPSILONS_KEY: kind_epsilons(),
                 "points": [{"values": point, "dir": f"point-{k}"} for k, point in enumerate(sweep_points(self.fields))]}
 
 
@@ -158,7 +160,8 @@ def load_sweep(root: Path) -> tuple[Sweep, dict]:
     try:
         index = json.loads(path.read_text())
         sweep = Sweep(from_dict(index["config"]), {k: list(v) for k, v in index["over"].items()},
-                      list(index["designs"]), list(index["seeds"]), dict(index["overrides"]), index["baseline"],
+                      list(index["designs"]), list(index["seeds"]),
+                      saved_overrides(dict(index["overrides"]), index["config"], index), index["baseline"],
                       index["budgets"], index.get("command"))
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"{path} is not a sweep's index ({err}); was it edited by hand?") from None

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..model import ModelConfig
+from ..model_config import default_norm_eps
 from ..names import ABLATIONS, PRESET_NAMES  # noqa: F401  (ABLATIONS: read here by its users)
 from .frozen_corpus import DEFAULT_CORPUS
 
@@ -286,7 +287,8 @@ def parse_assignment(config: TrainConfig, assignment: str) -> tuple[str, str, ob
 #: model fields whose default derives from another (``ModelConfig``): when the other is set and
 #: the field holds its derived value, it is derived again from the new one
 DERIVED = {"ffn_dim": ("dim", lambda m: 32 * math.ceil(8 * m["dim"] / 3 / 32)),
-           "n_kv_heads": ("n_heads", lambda m: m["n_heads"])}
+           "n_kv_heads": ("n_heads", lambda m: m["n_heads"]),
+           "norm_eps": ("residual", lambda m: default_norm_eps(m["residual"]))}
 
 
 def _model_with(model: ModelConfig, changes: dict) -> ModelConfig:
