@@ -224,31 +224,6 @@ def test_a_variants_own_options_win_over_set_and_apply_to_its_design_alone(tmp_p
     assert (config.block_sizes, config.num_blocks, config.norm_eps) == ((4, 4, 6, 2), None, 1e-12)
 
 
-def test_each_design_runs_at_its_kinds_epsilon_unless_given_and_an_older_comparison_keeps_its_own():
-    """A design given no ``norm_eps`` runs at its kind's default (Block, MHAR, Full 1e-12; the
-    others 1e-6); ``--set model.norm_eps`` gives every design one, and a label's own wins. A
-    comparison saved before the kinds had their own defaults (no ``kind_norm_eps`` in its file)
-    plans every design at its saved config's epsilon, as it began."""
-    from attnres.experiments.compare import plan_comparison
-    from attnres.experiments.designs import EPSILONS_KEY, saved_overrides, split_residual_overrides
-    from attnres.train.config import preset, to_dict
-
-    base = preset("tiny")
-    designs = ["prenorm", "block", "mhar", "full", "hc", "full:norm_eps=1e-6"]
-
-    def epsilons(overrides):
-        plan = plan_comparison(base, designs, [0], overrides, None)
-        return [plan.configs[label].norm_eps for label in designs]
-
-    assert epsilons({}) == [1e-6, 1e-12, 1e-12, 1e-12, 1e-6, 1e-6]
-    shared, overrides = split_residual_overrides(["model.norm_eps=1e-5", "run.steps=3"])
-    assert (shared, overrides) == (["run.steps=3"], {"norm_eps": 1e-5})
-    assert epsilons(overrides) == [1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-6]
-    older = {"config": to_dict(base), "overrides": {}}
-    assert epsilons(saved_overrides({}, older["config"], older)) == [1e-6] * 6
-    assert saved_overrides({}, older["config"], {**older, EPSILONS_KEY: {}}) == {}
-
-
 @pytest.mark.parametrize("design,message", [
     ("fulll", r"design 'fulll': unknown design 'fulll'; expected one of \['block', .*\], optionally with options"),
     ("full:norm_eps", r"design 'full:norm_eps': 'norm_eps' is not field=value"),

@@ -393,3 +393,4 @@ def test_each_residual_kind_has_the_epsilon_found_best_for_it_unless_one_is_give
     model = Transformer(config)
     assert {m.eps for m in model.modules() if isinstance(m, RMSNorm) or m is model.stream} == {eps}
     assert tiny_config(residual=kind, norm_eps=1e-5).norm_eps == 1e-5
+    assert tiny_config(residual=kind, norm_eps_scale="init").norm_eps == 1e-6  # relative: the setting measured

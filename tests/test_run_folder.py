@@ -121,6 +121,7 @@ def test_settings_are_checked_as_one_whole(tmp_path):
     proc = cli_in_process("train", "--preset", "tiny", "--run-dir", tmp_path / "r", "--set", "model.block_size=2",
                           "--set", "model.residual=block", "--set", "run.steps=1", "--set", "run.progress=false")
     assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["model"]["norm_eps"] == 1e-12  # Block's own
 
 
 def test_a_model_setting_is_applied_or_refused(tmp_path, data):

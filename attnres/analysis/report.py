@@ -255,11 +255,18 @@ def _epsilon_note(c: Comparison) -> list[str]:
     if not ran:
         return []
     at = "; ".join(f"{eps}: {', '.join(dict.fromkeys(names))}" for eps, names in ran.items())
+    defaults = c.record.kind_norm_eps
+    if defaults is None:  # planned before each kind had a default of its own
+        return ["", f"Epsilon (`model.norm_eps`) by design: {at}. This comparison was planned when every design "
+                    "took the shared epsilon unless its label gave one; since, each residual kind has its own "
+                    "default (docs/RESULTS.md, \"Epsilon for every design\").", ""]
+    kinds = "; ".join(f"{eps:g}: {', '.join(k for k, e in defaults.items() if e == eps)}"
+                      for eps in dict.fromkeys(defaults.values()))
     return ["", f"Epsilon (`model.norm_eps`) by design: {at}. A design given none runs at its residual kind's "
-                "default, the value docs/RESULTS.md found best for it (\"Epsilon for every design\"): 1e-12 for "
-                "Block, MHAR and Full, whose reads 1e-6 damps early (Full 0.058 and Block 0.025 nats worse, resolved "
-                "over six seeds), and 1e-6 for the others (at 1e-12 HC, mHC, GR and Delta end worse on the mean, "
-                "+0.012 to +0.047 nats over three seeds, not resolved).", ""]
+                f"default ({kinds}), the value docs/RESULTS.md found best for it (\"Epsilon for every design\"): "
+                "at 1e-6 the reads of Block (MHAR is a Block with heads) and Full are damped early (Full 0.058 and "
+                "Block 0.025 nats worse, resolved over six seeds); at 1e-12 HC, mHC, GR and Delta end worse on the "
+                "mean (+0.012 to +0.047 nats over three seeds, not resolved).", ""]
 
 
 def _tokens_text(c: Comparison) -> str:

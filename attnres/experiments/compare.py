@@ -44,7 +44,7 @@ from ..names import DEFAULT_DESIGNS
 from ..train.checkpoint import latest_checkpoint
 from ..train.config import DATA_SEED_STRIDE, TrainConfig, from_dict, to_dict
 from .designs import (check_labels, check_overrides, design_config, design_options, kind_epsilons, optim_fields,
-                      parse_folder_design, saved_overrides)
+                      parse_folder_design, saved_epsilons)
 from ..train.lock import FolderLock
 from ..train.machine import machine
 from .routing_movement import routing_movement
@@ -79,6 +79,8 @@ class Plan:
     source_entries: dict = dataclasses.field(default_factory=dict)
     #: the residual options given for every design (``compare``'s ``overrides``), as given
     overrides: dict = dataclasses.field(default_factory=dict)
+    #: each residual kind's default epsilon the designs not given one take (``kind_norm_eps``)
+    epsilons: dict = dataclasses.field(default_factory=kind_epsilons)
 
     @property
     def budget_runs(self) -> dict[str, float]:
@@ -145,11 +147,13 @@ def plan_folder_comparison(base: TrainConfig, designs: list[str], seeds: list[in
 
 
 def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
-                    baseline: str | None, budgets=None, folders=None) -> Plan:
+                    baseline: str | None, budgets=None, folders=None, epsilons: dict | None = None) -> Plan:
     """Every setting of a comparison checked before any work (``compare``'s arguments);
     ``folders`` for a comparison --from a folder (``plan_folder_comparison``): the command that
     read ``--from`` (or a resumed ``compare.json``'s ``init_from``) makes them, and past it
-    nothing asks again which kind of model the comparison trains."""
+    nothing asks again which kind of model the comparison trains. ``epsilons``: each residual
+    kind's default epsilon (a saved comparison's ``kind_norm_eps``; default this version's)."""
+    epsilons = kind_epsilons() if epsilons is None else epsilons
     check_run(shared_part(base))
     budgets = None if budgets is None else check_budgets(budgets)
     if budgets is not None:
@@ -187,7 +191,7 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
         if options[label]["residual"] == "prenorm" and base.optim.routing_lr_scale != 1.0:
             options[label]["routing_lr_scale"] = 1.0  # --set optim.routing_lr_scale: for the designs that route
         try:
-            configs[label] = design_config(base.model, label, options=options[label])
+            configs[label] = design_config(base.model, label, options=options[label], epsilons=epsilons)
             if "window" in options[label] and window_problem(configs[label]):  # given: a design has no window of its own
                 raise ValueError(window_problem(configs[label]))
             optim = optim_fields(options[label])
@@ -199,7 +203,8 @@ def plan_comparison(base: TrainConfig, designs, seeds, overrides: dict,
                      and optim_fields(options[other]) == optim_fields(options[label])), None)
         if same is not None:
             repeats[label] = same
-    plan = Plan(base, designs, seeds, baseline, options, configs, repeats, budgets, overrides=overrides)
+    plan = Plan(base, designs, seeds, baseline, options, configs, repeats, budgets, overrides=overrides,
+                epsilons=epsilons)
     for label in plan.budget_runs:  # a longer run's seeds must still fit (max_seed)
         check_run(plan.run_config(label, max(seeds)))
     return plan
@@ -251,7 +256,7 @@ def run_comparison(plan: Plan, *, out_dir: str | Path = "runs", root: Path | Non
         root.mkdir(parents=True)
     record = ComparisonRecord(plan.designs, plan.seeds, complete=False, baseline=plan.baseline, command=command,
                               steps=base.run.steps, config=to_dict(base), overrides=plan.overrides,
-                              budgets=plan.budgets, kind_norm_eps=kind_epsilons(), **plan.source_entries,
+                              budgets=plan.budgets, kind_norm_eps=plan.epsilons, **plan.source_entries,
                               **(extra or {}))
     write_record(root, record)
     return train_designs(root, plan, record, log, allow_mixed_data)
@@ -274,8 +279,9 @@ def resume_comparison(root: str | Path, log=print, folders=None, allow_mixed_dat
     if not isinstance(record.overrides, dict) or record.steps != base.run.steps:
         raise ValueError(f"{path}: 'overrides' or 'steps' do not agree with its 'config'; "
                          "was it edited by hand?")
-    overrides = saved_overrides(record.overrides, record.config, record.to_json())
-    plan = plan_comparison(base, record.designs, record.seeds, overrides, record.baseline, record.budgets, folders)
+    overrides, epsilons = saved_epsilons(record.designs, record.overrides, record.config, record.kind_norm_eps)
+    plan = plan_comparison(base, record.designs, record.seeds, overrides, record.baseline, record.budgets, folders,
+                           epsilons)
     if _all_finished(record, plan):
         raise ValueError(f"the comparison in {root} is complete: nothing to resume "
                          f"(`attnres report {root}` rebuilds its report)")

@@ -173,13 +173,17 @@ def design_options(base: ModelConfig, label: str, overrides: dict | None = None)
 
 
 def design_config(base: ModelConfig, label: str, overrides: dict | None = None,
-                  options: dict | None = None) -> ModelConfig:
+                  options: dict | None = None, epsilons: dict | None = None) -> ModelConfig:
     """``base``'s sizes with design ``label``'s residual options (``options``, when already
     made by ``design_options``; its optimizer fields aside) and its ``norm_eps``: the one among
-    them, else its residual kind's default, never the base's."""
+    them, else its residual kind's default, never the base's: ``epsilons``' (a saved comparison's
+    ``kind_norm_eps``) when given, this version's (``model_config.default_norm_eps``) otherwise."""
     sizes = {f: getattr(base, f) for f in SIZE_FIELDS}
     options = options or design_options(base, label, overrides)
-    return ModelConfig(**{**sizes, **{k: v for k, v in options.items() if k not in OPTIM_VARIANT_FIELDS}})
+    fields = {**sizes, **{k: v for k, v in options.items() if k not in OPTIM_VARIANT_FIELDS}}
+    if fields.get("norm_eps") is None and epsilons and fields["norm_eps_scale"] == "absolute":
+        fields["norm_eps"] = epsilons.get(fields["residual"])
+    return ModelConfig(**fields)
 
 
 def check_overrides(designs, overrides: dict) -> None:
@@ -188,6 +192,9 @@ def check_overrides(designs, overrides: dict) -> None:
     kinds = {label: design_kind(label) for label in designs}
     for name, value in overrides.items():
         if name in EVERY_DESIGN:
+            if all(name in parse_design(label)[1] for label in designs):
+                raise ValueError(f"--set model.{name}={value!r} applies to none of the designs {list(designs)}: "
+                                 f"each sets its own ({name}=... in its label); leave it out")
             continue
         if name == "residual":
             other = [label for label, kind in kinds.items() if kind != value]
@@ -246,15 +253,19 @@ def kind_epsilons() -> dict[str, float]:
 EPSILONS_KEY = "kind_norm_eps"
 
 
-def saved_overrides(overrides: dict, config: dict, saved: dict) -> dict:
-    """The designs' own options of a saved comparison or sweep (its ``overrides``, ``config``
-    and the whole file ``saved``), as planned now. A file without ``EPSILONS_KEY`` was written
-    when every design took its shared config's ``norm_eps``: that value is then given to every
-    design, as ``--set model.norm_eps`` gives it now, so that the comparison continues as it began."""
+def saved_epsilons(designs, overrides: dict, config: dict, epsilons: dict | None) -> tuple[dict, dict | None]:
+    """``(overrides, epsilons)`` of a saved comparison or sweep point (its ``designs``, the
+    designs' own options ``overrides``, its shared ``config`` and its ``kind_norm_eps``), as
+    planned now: a file that records each kind's default epsilon is planned with those, whatever
+    this version's are. One without them was written when every design took its shared config's
+    ``norm_eps``: that value is then given to every design (as ``--set model.norm_eps`` gives it
+    now) that does not set its own, so that the comparison continues as it began."""
+    if epsilons is not None:
+        return overrides, dict(epsilons)
     model = config.get("model")
-    if EPSILONS_KEY in saved or model is None or "norm_eps" in overrides:
-        return overrides
-    return {**overrides, "norm_eps": model["norm_eps"]}
+    if model is None or "norm_eps" in overrides or all("norm_eps" in parse_design(d)[1] for d in designs):
+        return overrides, None
+    return {**overrides, "norm_eps": model["norm_eps"]}, None
 
 
 def optim_fields(options: dict) -> dict:

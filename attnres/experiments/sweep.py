@@ -17,6 +17,7 @@ finished point is kept, an unfinished one resumes its comparison, the others sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -29,7 +30,7 @@ from ..files import new_folder
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import Plan, plan_comparison, resume_comparison, run_comparison
-from .designs import EPSILONS_KEY, EVERY_DESIGN, kind_epsilons, saved_overrides
+from .designs import EPSILONS_KEY, EVERY_DESIGN, kind_epsilons, saved_epsilons
 from ..train.config import TrainConfig, apply_overrides, from_dict, to_dict
 from ..train.validate import check_given
 
@@ -104,11 +105,14 @@ class Sweep:
     baseline: str | None
     budgets: list[float] | None
     command: list[str] | None
+    #: each residual kind's default epsilon (``kind_norm_eps``); None for a sweep saved before the
+    #: kinds had their own, whose designs take each point's shared ``norm_eps`` (``saved_epsilons``)
+    kind_norm_eps: dict | None = dataclasses.field(default_factory=kind_epsilons)
 
     def index(self) -> dict:
         return {"complete": False, "over": self.fields, "designs": self.designs, "seeds": self.seeds,
                 "baseline": self.baseline, "budgets": self.budgets, "command": self.command,
-                "config": to_dict(self.base), "overrides": self.overrides, EPSILONS_KEY: kind_epsilons(),
+                "config": to_dict(self.base), "overrides": self.overrides, EPSILONS_KEY: self.kind_norm_eps,
                 "points": [{"values": point, "dir": f"point-{k}"} for k, point in enumerate(sweep_points(self.fields))]}
 
 
@@ -130,8 +134,9 @@ def check_sweep(sweep: Sweep) -> list[Plan]:
         where = ", ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = point_config(sweep.base, point)
-            plans.append(plan_comparison(cfg, sweep.designs, sweep.seeds, sweep.overrides, sweep.baseline,
-                                         sweep.budgets))
+            overrides, epsilons = saved_epsilons(sweep.designs, sweep.overrides, to_dict(cfg), sweep.kind_norm_eps)
+            plans.append(plan_comparison(cfg, sweep.designs, sweep.seeds, overrides, sweep.baseline, sweep.budgets,
+                                         epsilons=epsilons))
         except ValueError as err:
             raise ValueError(f"sweep point {where}: {err}") from None
         key = json.dumps(to_dict(cfg), sort_keys=True)
@@ -160,9 +165,8 @@ def load_sweep(root: Path) -> tuple[Sweep, dict]:
     try:
         index = json.loads(path.read_text())
         sweep = Sweep(from_dict(index["config"]), {k: list(v) for k, v in index["over"].items()},
-                      list(index["designs"]), list(index["seeds"]),
-                      saved_overrides(dict(index["overrides"]), index["config"], index), index["baseline"],
-                      index["budgets"], index.get("command"))
+                      list(index["designs"]), list(index["seeds"]), dict(index["overrides"]), index["baseline"],
+                      index["budgets"], index.get("command"), index.get(EPSILONS_KEY))
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"{path} is not a sweep's index ({err}); was it edited by hand?") from None
     if [p["values"] for p in index.get("points", [])] != sweep_points(sweep.fields):

@@ -284,19 +284,19 @@ def parse_assignment(config: TrainConfig, assignment: str) -> tuple[str, str, ob
     return section_name, field_name, parse_value(value, typing.get_type_hints(type(section))[field_name], key)
 
 
-#: model fields whose default derives from another (``ModelConfig``): when the other is set and
-#: the field holds its derived value, it is derived again from the new one
-DERIVED = {"ffn_dim": ("dim", lambda m: 32 * math.ceil(8 * m["dim"] / 3 / 32)),
-           "n_kv_heads": ("n_heads", lambda m: m["n_heads"]),
-           "norm_eps": ("residual", lambda m: default_norm_eps(m["residual"]))}
+#: model fields whose default derives from others (``ModelConfig``): when one of those is set and
+#: the field holds its derived value, it is derived again from the new values
+DERIVED = {"ffn_dim": (("dim",), lambda m: 32 * math.ceil(8 * m["dim"] / 3 / 32)),
+           "n_kv_heads": (("n_heads",), lambda m: m["n_heads"]),
+           "norm_eps": (("residual", "norm_eps_scale"), lambda m: default_norm_eps(m["residual"], m["norm_eps_scale"]))}
 
 
 def _model_with(model: ModelConfig, changes: dict) -> ModelConfig:
     """``model`` with ``changes``, checked once as a whole; a derived default (``DERIVED``)
     follows the field it derives from unless it is set too."""
     fields = dataclasses.asdict(model)
-    for name, (source, rule) in DERIVED.items():
-        if source in changes and name not in changes and fields[name] == rule(fields):
+    for name, (sources, rule) in DERIVED.items():
+        if set(sources) & set(changes) and name not in changes and fields[name] == rule(fields):
             fields[name] = None
     return ModelConfig(**{**fields, **changes})
 
