@@ -77,7 +77,19 @@ class Package:
 
     def __init__(self, rev: str | None, steps: int, assignments: list[str]):
         root = attnres if rev is None else import_revision(rev)
-        module = lambda name: importlib.import_module(f"{root.__name__}.train.{name}")  # noqa: E731
+
+        def module(name: str):
+            """The revision's module ``name``: under ``train/``, or ``experiments/`` where the
+            comparisons have lived since they moved out of it."""
+            for place in ("train", "experiments"):
+                full = f"{root.__name__}.{place}.{name}"
+                try:
+                    return importlib.import_module(full)
+                except ModuleNotFoundError as err:
+                    if err.name != full:
+                        raise
+            raise ModuleNotFoundError(f"no module {name!r} under train/ or experiments/", name=name)
+
         config, compare = module("config"), module("compare")
         self.trainer = module("trainer")
         try:  # the placement of one process, as the revision's trainer takes it
