@@ -11,6 +11,9 @@ from attnres.ops.backends import cpu_build
 
 from .conftest import DESIGNS, tiny_model
 
+# compiling each design costs seconds to tens of seconds: the suite's slow step (make test-slow)
+pytestmark = pytest.mark.slow
+
 COMPILED = [d for d in DESIGNS if d not in ("full-input-query", "block-sigmoid-nokeynorm")]
 #: the designs that route over depth (ops.routing), and whether they merge (two-phase blocks)
 ROUTED = {"full": False, "full-window": False, "block": True, "mhar": True, "mhar-uneven": True, "delta": True}

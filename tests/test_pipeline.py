@@ -24,8 +24,9 @@ from .pipeline_worker import DESIGNS, MOE, OTHERS
 
 REPO = Path(__file__).resolve().parents[1]
 
-# under pytest-xdist (make test) the module runs in one worker, which launches each job once
-pytestmark = pytest.mark.xdist_group("pipeline_launches")
+# under pytest-xdist the module runs in one worker, which launches each job once; the torchrun
+# launches take a minute, so the module is in the slow step (make test-slow)
+pytestmark = [pytest.mark.xdist_group("pipeline_launches"), pytest.mark.slow]
 
 
 def launch(tmp_path_factory, ranks: int) -> list[dict]:

@@ -266,6 +266,7 @@ def train_rows(path):
     return sum(1 for line in path.read_text().splitlines() if line.endswith("}") and '"split": "train"' in line)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_ends_bit_identical(tmp_path):
     """A run killed with SIGKILL three times (at seeded random moments, mid-step or mid-save)
     and resumed each time ends with the same weights, bit for bit, and the same log rows as one

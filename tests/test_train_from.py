@@ -175,6 +175,7 @@ def test_a_run_folder_or_a_folder_without_a_model_is_refused(trained, tmp_path):
     assert result.returncode != 0 and "not a model folder (no config.json)" in result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_resume_continues_as_an_uninterrupted_run(folders, tmp_path):
     """SIGINT saves a checkpoint; `--resume` continues with no log row repeated or missing, and
     its losses are those of a run never interrupted (constant schedule: the length of the run
