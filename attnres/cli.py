@@ -85,7 +85,8 @@ def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="train several residual designs on the same data and write a report")
     _add_config_args(p, "demo", "; study: prenorm, block, mhar and full over seeds 0-5; ablations: the AttnRes "
                                 "paper's ablation rows (docs/RESULTS.md) over seeds 0-2, at the study's size; regime: 20 "
-                                "tokens per parameter at width 48")
+                                "tokens per parameter at width 48, prenorm, block, mhar and full each at its own "
+                                "learning rate, over seeds 4-15")
     p.add_argument("--designs", nargs="+", metavar="DESIGN", type=_design_label,
                    help=f"from {sorted(DESIGNS)}, each optionally with options of its own, name:field=value:..., "
                         f"e.g. full:norm_eps=1e-6 block:block_size=4 (default: the preset's, else "

@@ -109,19 +109,22 @@ def comparison_settings(args, init_from: Path | None = None):
     are ``--seeds``' (``--set run.seed`` refused in their favour). With ``init_from`` (``compare
     --from``) the model is the folder's (``config_from_args``) and the designs default to the
     control and one conversion, ``source convert``."""
-    from .experiments.designs import comparison_choice, split_residual_overrides
+    from .experiments.designs import check_shared_optim, comparison_choice, split_residual_overrides
 
     seeds = [a for a in args.set or [] if a.partition("=")[0].strip() == "run.seed"]
     if seeds:
         raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
                          f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
     if init_from is not None:
-        cfg = config_from_args(args, init_from=init_from, comparison=True)
         designs, seeds = comparison_choice(args.preset, args.designs or ["source", "convert"], args.seeds)
-        return cfg, designs, seeds, {}
+    else:
+        designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
+    check_shared_optim(designs, {a.partition("=")[0].strip(): f"--set {a}" for a in args.set or []},
+                       folder=init_from is not None)
+    if init_from is not None:
+        return config_from_args(args, init_from=init_from, comparison=True), designs, seeds, {}
     shared, overrides = split_residual_overrides(args.set or [])
     cfg = config_from_args(args, shared, comparison=True)
-    designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
     return cfg, designs, seeds, overrides
 
 
@@ -228,6 +231,7 @@ def cmd_compare(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .signals import exit_status
+    from .experiments.designs import check_shared_optim
     from .experiments.sweep import Sweep, check_not_set, parse_over, resume_sweep, run_sweep
 
     refuse_mixed_data_without_resume(args, "sweep")
@@ -241,6 +245,7 @@ def cmd_sweep(args) -> int:
         fields = parse_over(args.over or [])
         check_not_set(fields, ([f"data.source={args.data}"] if args.data else []) + list(args.set or []))
         cfg, designs, seeds, overrides = comparison_settings(args)
+        check_shared_optim(designs, {key: f"--over {key}={','.join(values)}" for key, values in fields.items()})
         sweep = Sweep(cfg, fields, designs, seeds, overrides, args.baseline, args.budgets, ["attnres", *args.argv])
         root, signal = run_sweep(sweep, args.out)
     if signal is not None:

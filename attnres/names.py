@@ -37,11 +37,16 @@ ABLATIONS = (
     "full:window=8", "block", "block:block_size=4", "block:block_size=8", "block:block_size=16", "block:heads=16",
     "block:key_norm=false", "denseformer",
 )
+#: the regime's designs, each at the learning rate its grid chose and fresh seeds confirmed
+REGIME_DESIGNS = ("prenorm:lr=8e-3", "block:lr=5e-3", "mhar:lr=3e-3", "full:lr=2e-3")
 #: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
 #: (others: ``DEFAULT_DESIGNS``, seed 0)
 COMPARISON_PRESETS = {
     "study": {"designs": ("prenorm", "block", "mhar", "full"), "seeds": (0, 1, 2, 3, 4, 5)},
     "ablations": {"designs": ABLATIONS, "seeds": (0, 1, 2)},
+    # each design at its own learning rate (docs/RESULTS.md, "Each design's learning rate": the
+    # grid's best over seeds 0-1, confirmed on seeds 2-3), on the seeds that chose nothing
+    "regime": {"designs": REGIME_DESIGNS, "seeds": tuple(range(4, 16))},
 }
 
 #: the named, versioned corpora (``train/frozen_corpus.py`` defines each), the first the default

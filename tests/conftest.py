@@ -84,3 +84,13 @@ def cli_in_process(*args):
             code = exit_.code
     return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
 
+
+def load_study(name: str):
+    """The script ``studies/NAME.py`` as a module (the studies are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "studies" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

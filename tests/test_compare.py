@@ -395,33 +395,6 @@ def test_two_identical_comparisons_log_identical_losses(tmp_path):
     assert results[0] == results[1]
 
 
-def test_the_study_preset_names_its_designs_and_seeds():
-    from attnres.names import DEFAULT_DESIGNS
-    from attnres.experiments.designs import comparison_choice
-    from attnres.train.config import preset
-    from attnres.train.validate import check_run
-
-    assert comparison_choice("study") == (["prenorm", "block", "mhar", "full"], [0, 1, 2, 3, 4, 5])
-    assert comparison_choice("study", ["block", "full"], [4]) == (["block", "full"], [4])  # given ones win
-    assert comparison_choice("demo") == (list(DEFAULT_DESIGNS), [0])
-    check_run(preset("study"))  # `attnres train --preset study` trains one run of that size
-
-
-def test_the_ablations_preset_is_the_studys_size_with_every_row_as_a_valid_design():
-    from attnres.experiments.compare import plan_comparison
-    from attnres.experiments.designs import comparison_choice
-    from attnres.train.config import ABLATIONS, preset, to_dict
-
-    designs, seeds = comparison_choice("ablations")
-    assert (designs, seeds) == (list(ABLATIONS), [0, 1, 2]) and len(designs) == 14
-    assert to_dict(preset("ablations")) == to_dict(preset("study"))
-    plan = plan_comparison(preset("ablations"), designs, seeds, {}, None)  # every label parses and builds
-    config = plan.configs
-    assert (config["block"].num_blocks, config["block:block_size=4"].block_size) == (8, 4)
-    assert (config["full:window=8"].window, config["full:mixing=learned"].mixing) == (8, "learned")
-    assert config["block:heads=16"].heads == 16 and config["denseformer"].residual == "denseformer"
-
-
 def test_the_report_says_when_its_runs_come_from_several_machines(comparison, tmp_path):
     """Each run's summary records its machine; one machine says nothing, and a run whose
     summary names another machine (a comparison continued elsewhere) is listed with it."""
@@ -517,20 +490,3 @@ def test_differences_too_small_for_four_decimals_are_written_in_scientific_notat
     from attnres.analysis.report import _signed
 
     assert _signed(value) == text
-
-
-def test_the_regime_preset_trains_twenty_tokens_per_parameter_without_repeating_its_data():
-    """The papers' regime (docs/RESULTS.md): at least 20 tokens per parameter, and the compute
-    ladder's largest budget (3) samples its prefix of the corpus at most once on average."""
-    from attnres.model import Transformer
-    from attnres.train.config import preset
-    from attnres.train.validate import check_run
-
-    cfg = preset("regime")
-    params = sum(p.numel() for p in Transformer(cfg.model).parameters())
-    tokens = cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len
-    assert params == 246_576 and 20 <= tokens / params < 21
-    assert 3 * tokens <= cfg.data.max_train_tokens / 3
-    study = preset("study")
-    assert cfg.optim.warmup_steps / cfg.run.steps == pytest.approx(study.optim.warmup_steps / study.run.steps, abs=5e-4)
-    check_run(cfg)

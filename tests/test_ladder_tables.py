@@ -1,21 +1,16 @@
 """``studies/ladder_tables.py``'s depth figures on made-up losses: a design's change of gap
 between two depths, paired by seed, against the interval written out by hand."""
 
-import importlib.util
 import math
 import statistics
-from pathlib import Path
 
 from scipy import stats
 
-SCRIPT = Path(__file__).parents[1] / "studies" / "ladder_tables.py"
+from .conftest import load_study
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("ladder_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("ladder_tables")
 
 
 def point(base: list[float], block: list[float]) -> dict:

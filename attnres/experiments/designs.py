@@ -44,6 +44,19 @@ VARIANT_FIELDS = ("norm_eps", "norm_eps_scale", *OPTIM_VARIANT_FIELDS)
 LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:=+-")
 
 
+def kind_options(kind: str) -> set[str]:
+    """The model fields (``MODEL_OPTIONS``) that residual ``kind``'s stream takes as options."""
+    return {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
+
+
+def kind_optim_fields(kind: str) -> tuple[str, ...]:
+    """The optimizer fields (``OPTIM_VARIANT_FIELDS``) that apply to a design of residual
+    ``kind``: the learning rate to every design, the input query's to a kind with
+    input-dependent queries, the routing's to one with routing."""
+    applies = {"lr": True, "query_lr_scale": "query" in kind_options(kind), "routing_lr_scale": kind != "prenorm"}
+    return tuple(f for f in OPTIM_VARIANT_FIELDS if applies[f])
+
+
 def parse_design(label: str) -> tuple[str, dict]:
     """``(design, options)`` of a design's label: a name of ``DESIGNS``, then options separated
     by colons, ``name:field=value:field=value``, each a residual option the design's kind takes
@@ -65,13 +78,10 @@ def parse_design(label: str) -> tuple[str, dict]:
         raise ValueError(f"design {label!r}: unknown design {name!r}; expected one of {sorted(DESIGNS)}, "
                          "optionally with options: name:field=value:...")
     kind = DESIGNS[name]["residual"]
-    takes = {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
+    takes = kind_options(kind)
     hints = {**typing.get_type_hints(ModelConfig),
              **{f: t for f, t in typing.get_type_hints(OptimConfig).items() if f in OPTIM_VARIANT_FIELDS}}
-    # the optimizer's variant fields apply to what the kind has: the learning rate to every design,
-    # the input query's to a kind with input-dependent queries, the routing's to one with routing
-    applies = {"lr": True, "query_lr_scale": "query" in takes, "routing_lr_scale": kind != "prenorm"}
-    variants = [f for f in VARIANT_FIELDS if f not in OPTIM_VARIANT_FIELDS or applies[f]]
+    variants = [f for f in VARIANT_FIELDS if f not in OPTIM_VARIANT_FIELDS or f in kind_optim_fields(kind)]
     options: dict = {}
     for part in parts:
         field, eq, value = part.partition("=")
@@ -207,6 +217,27 @@ def check_overrides(designs, overrides: dict) -> None:
             takers = sorted(k for k, cls in STREAMS.items() if option in cls.options())
             raise ValueError(f"--set model.{name}={value!r} applies to none of the designs {list(designs)}; "
                              f"it is an option of {takers}")
+
+
+def check_shared_optim(designs, given: dict[str, str], folder: bool = False) -> None:
+    """Refuse an optimizer field set for every design (``given``: ``"optim.lr"`` -> how it was
+    given, ``"--set optim.lr=1e-3"`` or a sweep's ``"--over optim.lr=1e-3,2e-3"``) that reaches
+    none of them: each design's label sets its own (``prenorm:lr=8e-3``; ``OPTIM_VARIANT_FIELDS``)
+    or it does not apply to the design (``kind_optim_fields``; a design of ``compare --from``, when
+    ``folder``: ``FOLDER_OPTIM_FIELDS``). It would change nothing."""
+    def reaches(label: str, name: str) -> bool:
+        if folder:
+            design, own = parse_folder_design(label)
+            return name in FOLDER_OPTIM_FIELDS[design] and name not in own
+        design, own = parse_design(label)
+        return name in kind_optim_fields(DESIGNS[design]["residual"]) and name not in own
+
+    for key, how in given.items():
+        section, _, name = key.partition(".")
+        if section == "optim" and name in OPTIM_VARIANT_FIELDS and not any(reaches(label, name) for label in designs):
+            raise ValueError(f"{how} applies to none of the designs {list(designs)}: each sets its own ({name}=... "
+                             f"in its label) or does not take it; leave it out, or give designs it applies to "
+                             f"(--designs)")
 
 
 def check_labels(designs) -> None:

@@ -1,0 +1,70 @@
+"""``studies/regime_ladder.py``: comparisons that ran a ladder's seeds side by side pool into one
+table, on made-up losses against figures worked out by hand, and on two real comparisons."""
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from .conftest import cli_in_process, load_study
+
+
+def load():
+    return load_study("regime_ladder")
+
+
+def point(folder: str, base: dict, at2: dict, block: dict, ratio: float | None) -> dict:
+    """A comparison's numbers as ``folder_numbers`` gives them: PreNorm at budgets 1 and 2, Block at 1."""
+    return {"folder": folder, "designs": ["prenorm", "block"], "baseline": "prenorm", "budgets": [1.0, 2.0],
+            "config": {"model": {"dim": 48}}, "kind_norm_eps": {"block": 1e-12}, "data_sha256": "abc",
+            "losses": {"prenorm": base, "block": block},
+            "budget_runs": {"prenorm@2": {"budget": 2.0, "val_loss": at2}},
+            "time_ratio": {"prenorm": None, "block": ratio}}
+
+
+def test_two_comparisons_pool_into_one_ladder():
+    ladder = load()
+    a = point("a", {"4": 1.20, "5": 1.30}, {"4": 1.00, "5": 1.10}, {"4": 1.10, "5": 1.20}, 1.2)
+    b = point("b", {"6": 1.25}, {"6": 1.05}, {"6": 1.05}, 1.3)
+    numbers = ladder.ladder(ladder.pool([a, b]))
+    assert numbers["seeds"] == ["4", "5", "6"]
+    block = numbers["designs"]["block"]
+    gaps = [-0.10, -0.10, -0.20]  # each seed's Block minus PreNorm, by hand
+    mean, half = statistics.fmean(gaps), stats.t.ppf(0.975, 2) * statistics.stdev(gaps) / math.sqrt(3)
+    assert math.isclose(block["gap"]["diff_mean"], mean, abs_tol=1e-12)
+    assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(block["gap"]["ci95"], (mean - half, mean + half)))
+    # seed 6's Block ends at PreNorm's budget-2 loss: a multiplier of exactly 2 there
+    assert math.isclose(block["multiplier"]["per_seed"]["6"], 2.0, rel_tol=1e-9)
+    assert block["time_ratios"] == [1.2, 1.3]
+    assert math.isclose(block["multiplier"]["time"], block["multiplier"]["budget"] / 1.25, rel_tol=1e-12)
+    fall, sd = numbers["fall_per_efold"][2.0]  # PreNorm falls 0.20 nats from budget 1 to 2 at every seed
+    assert math.isclose(fall, 0.2 / math.log(2), rel_tol=1e-9) and sd == pytest.approx(0, abs=1e-12)
+    assert "| block | 3 |" in ladder.markdown(numbers)
+
+
+def test_comparisons_that_differ_in_more_than_their_seeds_do_not_pool():
+    ladder = load()
+    a = point("a", {"4": 1.2}, {"4": 1.0}, {"4": 1.1}, 1.2)
+    with pytest.raises(ValueError, match="seed 4 is in both a and b"):
+        ladder.pool([a, point("b", {"4": 1.2}, {"4": 1.0}, {"4": 1.1}, 1.2)])
+    other = point("b", {"5": 1.2}, {"5": 1.0}, {"5": 1.1}, 1.2) | {"data_sha256": "def"}
+    with pytest.raises(ValueError, match="b and a differ in data_sha256"):
+        ladder.pool([a, other])
+
+
+def test_the_ladder_reads_real_comparisons(tmp_path):
+    ladder = load()
+    folders = []
+    for seed in ("0", "1"):
+        out = cli_in_process("compare", "--preset", "tiny", "--designs", "prenorm", "block", "--budgets", "1", "2",
+                             "--set", "run.steps=2", "--set", "run.eval_batches=1", "--set", "run.progress=false",
+                             "--seeds", seed, "--out", tmp_path / seed)
+        assert out.returncode == 0, out.stderr
+        folders.append(Path(out.stdout.strip().splitlines()[-1]).parent)
+    points = [ladder.folder_numbers(f) for f in folders]
+    assert [sorted(p["losses"]["block"]) for p in points] == [["0"], ["1"]]
+    assert all(p["time_ratio"]["block"] > 0 for p in points)  # each comparison timed its steps
+    numbers = ladder.ladder(ladder.pool(points))
+    assert numbers["seeds"] == ["0", "1"] and numbers["designs"]["block"]["gap"]["ci95"] is not None
