@@ -149,13 +149,14 @@ def test_ctrl_c_reaches_a_command_started_with_its_signals_blocked(tmp_path):
     """A parent that holds SIGINT and SIGTERM blocked while it starts ``attnres`` passes that
     mask on; the command unblocks them, so a Ctrl-C while it starts still ends it with one line."""
     held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir",
-                                 str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=tmp_path, env={**os.environ, "ATTNRES_PAUSE_AT": "start"})
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    with as_a_terminal_starts_it():  # SIGINT not ignored (a worker started in the background ignores it)
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "attnres", "train", "--preset", "tiny", "--run-dir",
+                                     str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=tmp_path, env={**os.environ, "ATTNRES_PAUSE_AT": "start"})
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     try:
         assert first_line(proc.stderr, timeout=120) == "attnres: paused at start\n"
         proc.send_signal(signal.SIGINT)
