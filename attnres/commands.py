@@ -115,10 +115,8 @@ def comparison_settings(args, init_from: Path | None = None):
     if seeds:
         raise ValueError(f"--set {seeds[0]}: a comparison's seeds are chosen with --seeds "
                          f"(e.g. --seeds {seeds[0].partition('=')[2].strip() or '0'}); leave out --set run.seed")
-    if init_from is not None:
-        designs, seeds = comparison_choice(args.preset, args.designs or ["source", "convert"], args.seeds)
-    else:
-        designs, seeds = comparison_choice(args.preset, args.designs, args.seeds)
+    folder_designs = ["source", "convert"] if init_from is not None else None
+    designs, seeds = comparison_choice(args.preset, args.designs or folder_designs, args.seeds)
     check_shared_optim(designs, {a.partition("=")[0].strip(): f"--set {a}" for a in args.set or []},
                        folder=init_from is not None)
     if init_from is not None:
