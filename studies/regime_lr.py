@@ -4,7 +4,9 @@ learning rate").
     python studies/regime_lr.py docs/study/regime-lr/sweep-<timestamp> [more sweeps over optim.lr]
 
 Each folder is an ``attnres sweep --over optim.lr=...``; several are read as one grid (an
-extension past an end of the first). Printed:
+extension past an end of the first). A sweep over another field whose designs name their own
+rates (``--over model.n_layers=4,32 --designs block:lr=5e-3 block:lr=8e-3 ...``, the depth check)
+is read as one grid per design and point, named ``block (model.n_layers=32)``. Printed:
 
   grid      each design's final validation loss at each rate: the mean over the seeds, and each seed
   best      each design's best rate by the rule written before the run (the lowest mean over the
@@ -29,21 +31,38 @@ from pathlib import Path
 from scipy import stats
 
 
+def split_rate(label: str) -> tuple[str, float | None]:
+    """``block:lr=5e-3`` -> (``block``, 0.005); a label without ``lr=`` -> (label, None)."""
+    parts = label.split(":")
+    rates = [part for part in parts if part.startswith("lr=")]
+    if not rates:
+        return label, None
+    return ":".join(part for part in parts if part not in rates), float(rates[0][len("lr="):])
+
+
 def read_grid(folders: list[Path]) -> dict[str, dict[float, dict[int, float]]]:
-    """design label -> rate -> seed -> final validation loss, over every point of every sweep."""
+    """design -> rate -> seed -> final validation loss, over every point of every sweep. In a
+    sweep over another field the rate is the label's and the design names the point."""
     grid: dict[str, dict[float, dict[int, float]]] = {}
     for folder in folders:
         index = json.loads((folder / "sweep.json").read_text())
-        if list(index["over"]) != ["optim.lr"]:
-            raise SystemExit(f"{folder}: a sweep over {list(index['over'])}, not optim.lr")
+        over_rate = list(index["over"]) == ["optim.lr"]
         for point in index["points"]:
             results_file = folder / point["dir"] / "results.json"
             if not results_file.is_file():
                 continue
-            rate = float(point["values"]["optim.lr"])
             for label, entry in json.loads(results_file.read_text())["designs"].items():
+                if over_rate:
+                    design, rate = label, float(point["values"]["optim.lr"])
+                else:
+                    design, rate = split_rate(label)
+                    if rate is None:
+                        raise SystemExit(f"{folder}: a sweep over {list(index['over'])} whose design "
+                                         f"{label!r} names no rate (lr=...)")
+                    where = ", ".join(f"{field}={value}" for field, value in point["values"].items())
+                    design = f"{design} ({where})"
                 losses = {int(seed): loss for seed, loss in entry["val_loss"].items()}
-                grid.setdefault(label, {}).setdefault(rate, {}).update(losses)
+                grid.setdefault(design, {}).setdefault(rate, {}).update(losses)
     return grid
 
 
@@ -85,16 +104,17 @@ def main() -> None:
     args = parser.parse_args()
     grid = read_grid(args.folders)
     seeds = sorted({s for rates in grid.values() for losses in rates.values() for s in losses})
+    width = max(map(len, grid), default=0)
     print("grid (mean over seeds; each seed)")
     for label, rates in grid.items():
         for rate in sorted(rates):
             losses = rates[rate]
             each = ", ".join(f"{losses[s]:.4f}" for s in seeds if s in losses)
-            print(f"  {label:24s} {rate:g}: {statistics.mean(losses.values()):.4f} ({each})")
+            print(f"  {label:{width}s} {rate:g}: {statistics.mean(losses.values()):.4f} ({each})")
     best = best_rates(grid, seeds)
     print("best")
     for label, (rate, edge) in best.items():
-        print(f"  {label:24s} {rate:g}{'  (at an end of the grid)' if edge else ''}")
+        print(f"  {label:{width}s} {rate:g}{'  (at an end of the grid)' if edge else ''}")
     if args.baseline not in best or len(seeds) < 2:
         return
     base_rate = best[args.baseline][0]
@@ -105,7 +125,7 @@ def main() -> None:
             continue
         own = paired(grid, label, rate, args.baseline, base_rate, seeds)
         spread.append(statistics.stdev(own))
-        line = f"  {label:24s} {statistics.mean(own):+.4f} (sd {statistics.stdev(own):.4f})"
+        line = f"  {label:{width}s} {statistics.mean(own):+.4f} (sd {statistics.stdev(own):.4f})"
         if args.common in grid[label] and args.common in grid[args.baseline]:
             common = paired(grid, label, args.common, args.baseline, args.common, seeds)
             line += f" / {statistics.mean(common):+.4f}; change {statistics.mean(own) - statistics.mean(common):+.4f}"
