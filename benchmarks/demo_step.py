@@ -38,6 +38,9 @@ of one run, not the machine's state over a day (see docs/BENCHMARKS.md, D7).
 
     python benchmarks/demo_step.py --paired --rounds 100 --steps 10
     python benchmarks/demo_step.py --paired --rounds 100 --steps 10 --revisions 2f34bf8
+
+``--preset regime`` times the regime's size instead (dim 48, 2 heads, the same batch; docs/RESULTS.md,
+"The papers' regime"), whose compute ladder needs each design's step against PreNorm's.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from attnres.names import DESIGNS  # noqa: E402
 class Package:
     """What a run needs from the package at one revision (None: the current code)."""
 
-    def __init__(self, rev: str | None, steps: int, assignments: list[str]):
+    def __init__(self, rev: str | None, steps: int, assignments: list[str], preset: str = "demo"):
         root = attnres if rev is None else import_revision(rev)
 
         def module(name: str):
@@ -102,7 +105,7 @@ class Package:
         except ModuleNotFoundError:
             designs = compare
         self.train, self.design_config = self.trainer.train, designs.design_config
-        base = config.demo()
+        base = getattr(config, preset)()
         base.run = dataclasses.replace(base.run, steps=steps, eval_every=steps, log_every=min(10, steps),
                                        tensorboard=False, progress=False)
         self.base = config.apply_overrides(base, assignments)
@@ -160,7 +163,7 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 
 def paired(args) -> None:
-    packages = {rev: Package(rev, 2 * (args.steps + args.rounds), args.assignments) for rev in [None, *args.revisions]}
+    packages = {rev: Package(rev, 2 * (args.steps + args.rounds), args.assignments, args.preset) for rev in [None, *args.revisions]}
     variants = with_revisions(args.designs, args.revisions)
     print(f"{machine()}; {args.steps} steps untimed, then {args.rounds} rounds of one step per design")
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,7 +176,7 @@ def paired(args) -> None:
         rows.append(dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
                          ratio_ci95=span(*median_interval(own)), ratio_q1=q1, ratio_q3=q3, ratio_min=summary[d]["ratio_min"],
                          ratio_max=summary[d]["ratio_max"], rounds=args.rounds, warmup_steps=args.steps,
-                         settings=" ".join(args.assignments)))
+                         settings=settings(args)))
     print_table(rows, ["design", "median_ms", "ratio", "ratio_ci95", "ratio_q1", "ratio_q3", "ratio_min", "ratio_max"])
     print(f"wrote {write_csv(f'{args.csv}_paired', rows)}")
     if args.revisions:
@@ -185,12 +188,19 @@ def paired(args) -> None:
         print(f"wrote {write_csv(f'{args.csv}_paired_against', compared)}")
 
 
+def settings(args) -> str:
+    """What a row was timed at beyond the demo: the preset where it is another, and the overrides."""
+    return " ".join(([f"preset={args.preset}"] if args.preset != "demo" else []) + args.assignments)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--designs", nargs="+", default=["prenorm", "block", "mhar", "full", "delta", "hc", "mhc", "gr"],
                     choices=sorted(DESIGNS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--preset", choices=["demo", "study", "regime"], default="demo",
+                    help="the size to time: the demo's and study's (dim 96) or the regime's (dim 48)")
     ap.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="a config override applied to every design (as attnres train --set)")
     ap.add_argument("--compiled", action="store_true", help="also train each design with run.compile=true")
@@ -208,7 +218,7 @@ def main() -> None:
         if args.compiled:
             ap.error("--paired times eager steps; --compiled is a run-by-run comparison")
         return paired(args)
-    packages = {rev: Package(rev, args.steps, args.assignments) for rev in [None, *args.revisions]}
+    packages = {rev: Package(rev, args.steps, args.assignments, args.preset) for rev in [None, *args.revisions]}
     print(f"{machine()}; {args.rounds} rounds of {args.steps} steps")
 
     variants = [(d, False) for d in with_revisions(args.designs, args.revisions)]
@@ -235,7 +245,7 @@ def main() -> None:
     rows = [dict(design=d, median_ms=summary[d]["median_s"] * 1e3, ratio=summary[d]["ratio"],
                  ratio_min=summary[d]["ratio_min"], ratio_max=summary[d]["ratio_max"],
                  later_ms=steady[d]["median_s"] * 1e3, later_ratio=steady[d]["ratio"],
-                 rounds=args.rounds, steps=args.steps, settings=" ".join(args.assignments))
+                 rounds=args.rounds, steps=args.steps, settings=settings(args))
             for d in labels]
     print_table(rows, ["design", "median_ms", "ratio", "ratio_min", "ratio_max", "later_ms", "later_ratio"])
     print(f"wrote {write_csv(args.csv, rows)}")
