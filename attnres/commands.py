@@ -65,6 +65,10 @@ def checked_config(args, assignments=None, base=None, init_from: Path | None = N
         raise ValueError(f"--set model.vocab_size={cfg.model.vocab_size}: the model's vocabulary is the "
                          f"tokenizer's (256 byte tokens, or data.bpe_vocab_size with data.tokenizer=bpe); "
                          f"model.vocab_size is set only for a folder of token files (train.bin, val.bin)")
+    if "model.vocab_size" in keys:
+        from .train.hf_shards import check_shards_vocabulary
+
+        check_shards_vocabulary(source, cfg.model.vocab_size)
     plan = check_run(shared_part(cfg) if comparison else cfg, processes)
     check_hf_source(cfg.data)
     check_given(cfg, keys, token_files)  # what the user set must act; a default or a saved value need not

@@ -219,3 +219,22 @@ def test_attnres_shards_makes_the_shards_a_run_reads_and_trains_nothing(tmp_path
     assert not list(tmp_path.glob("runs*"))
     refused = cli_in_process("shards", "--preset", "tiny")
     assert refused.returncode == 2 and "makes the token shards of an hf:NAME[:CONFIG] source" in refused.stderr
+
+
+def test_a_model_vocabulary_other_than_the_shards_is_refused(tmp_path, with_split):
+    """A folder with ``shards.json`` names its vocabulary; a ``--set model.vocab_size`` that differs
+    from it is refused before any work (the model would otherwise take the folder's, silently)."""
+    made = cli_in_process("shards", "--preset", "tiny", "--data", f"hf:{with_split}", "--set", "data.max_train_tokens=3000")
+    assert made.returncode == 0, made.stderr
+    folder = Path(made.stdout.strip().splitlines()[-1])
+    vocab = json.loads((folder / SHARDS_JSON).read_text())["vocab_size"]
+    run = tmp_path / "run"
+    refused = cli_in_process("train", "--preset", "tiny", "--data", folder, "--set", f"model.vocab_size={vocab + 44}",
+                             "--run-dir", run)
+    assert refused.returncode != 0 and not run.exists()
+    assert (f"model.vocab_size={vocab + 44}" in refused.stderr and f"{vocab}-token" in refused.stderr
+            and str(folder / SHARDS_JSON) in refused.stderr), refused.stderr
+    same = cli_in_process("train", "--preset", "tiny", "--data", folder, "--set", f"model.vocab_size={vocab}",
+                          "--set", "run.steps=2", "--set", "run.eval_batches=1", "--run-dir", run)
+    assert same.returncode == 0, same.stderr
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == vocab

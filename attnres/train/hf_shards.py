@@ -115,6 +115,16 @@ def describe(meta: dict, folder: Path) -> str:
     return f"Hugging Face dataset {name} at {meta.get('revision', '?')}, {tok}, token shards in {folder}"
 
 
+def check_shards_vocabulary(folder: Path, vocab_size: int) -> None:
+    """Refuse a model vocabulary other than the one ``folder``'s ``shards.json`` names (a folder
+    without one is read in the model's vocabulary, so any size goes)."""
+    meta = read_shards_json(folder)
+    if meta is not None and meta["vocab_size"] != vocab_size:
+        raise ValueError(f"--set model.vocab_size={vocab_size}: {folder} holds ids of a {meta['vocab_size']}-token "
+                         f"vocabulary ({folder / SHARDS_JSON}), which the model takes as it is: leave "
+                         f"model.vocab_size out, or give {meta['vocab_size']}")
+
+
 def shard_folder_corpus(folder: Path, cfg, model_vocab_size: int) -> Corpus:
     """A folder of token files (``train.bin``, ``val.bin``) as a ``Corpus``: with a
     ``shards.json``, in its dtype, vocabulary and tokenizer (``data.tokenizer`` left at
