@@ -19,7 +19,7 @@ from attnres.ops.backends import cpu_build, cpu_ops, cpu_streams
 from attnres.ops.backends.common import inverse_rms
 from attnres.ops.backends.naive import gated_mix_naive
 
-from .test_backends import Norm, grads, make
+from .backend_cases import Norm, grads, make
 
 # The CPU kernels need a C++ compiler (g++ or $CXX); where none works, the tests that run them
 # say why they were skipped, and those of the fallback still run.

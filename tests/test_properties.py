@@ -20,7 +20,7 @@ from attnres import build_stream, ops  # noqa: E402
 from attnres.ops import BACKENDS, Request, depth_attention_naive  # noqa: E402
 
 from .conftest import DESIGNS, tiny_model  # noqa: E402
-from .test_backends import assert_close_to_scale, stream_pair  # noqa: E402
+from .backend_cases import assert_close_to_scale, stream_pair  # noqa: E402
 
 PROFILES = {"ci": 50, "long": 1000}  # examples per test
 for name, examples in PROFILES.items():

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from attnres.ops import backend, depth_attention, depth_attention_naive  # noqa: E402
 
-from .test_backends import assert_close_to_scale  # noqa: E402
-from .test_backends import make as make_inputs  # noqa: E402
+from .backend_cases import assert_close_to_scale  # noqa: E402
+from .backend_cases import make as make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
 
