@@ -50,6 +50,12 @@ def test_a_depth_sweep_reads_as_one_grid_per_design_and_depth():
     # at 4 layers the regime's 8 blocks hold one sublayer each, so Block is Full, to the last bit
     for rate in (5e-3, 8e-3):
         assert grid["block (model.n_layers=4)"][rate] == grid["full (model.n_layers=4)"][rate]
+    # docs/RESULTS.md's depth table: each best, and whether it lies at an end of its three rates
+    assert regime_lr.best_rates(grid, [0]) == {
+        "prenorm (model.n_layers=4)": (3e-3, False), "block (model.n_layers=4)": (8e-3, False),
+        "mhar (model.n_layers=4)": (3e-3, False), "full (model.n_layers=4)": (8e-3, True),
+        "prenorm (model.n_layers=32)": (3e-3, False), "block (model.n_layers=32)": (5e-3, True),
+        "mhar (model.n_layers=32)": (3e-3, False), "full (model.n_layers=32)": (3e-3, True)}
 
 
 def test_a_depth_sweep_whose_design_names_no_rate_is_refused(tmp_path):
