@@ -8,7 +8,10 @@ own seeds; the comparisons must agree in everything else (designs, baseline, bud
 config, the tokens read). Their seeds are pooled: each design's final loss at budget 1, its gap
 to the baseline paired by seed (95% Student-t, ``analysis.stats.paired_difference``), its
 compute-equivalent multiplier over the pooled baseline curves (``analysis.budget``), and in
-wall-clock terms with the step-time ratio each comparison measured (their mean, each given).
+wall-clock terms with the step-time ratio each comparison measured (their mean, each given),
+or with ``--step-ratios CSV`` the ratios of a quiet-machine benchmark instead
+(``benchmarks/demo_step.py --preset regime --paired``'s ``_paired.csv``: its median ratio for
+each design's kind, the label's part before ``:``).
 The baseline's fall per e-fold of budget, ``(L(1) - L(b)) / ln(b)`` per seed for each larger
 budget ``b``, sets the multiplier's scale beside the papers'.
 """
@@ -16,6 +19,7 @@ budget ``b``, sets the multiplier's scale beside the papers'.
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 from pathlib import Path
 
@@ -67,6 +71,18 @@ def pool(points: list[dict]) -> dict:
               for name in first["designs"]}
     return {**{k: first[k] for k in (*SHARED, "data_sha256")}, "losses": losses, "budget_runs": budget_runs,
             "time_ratios": ratios}
+
+
+def benchmark_ratios(path: Path, designs: list[str]) -> dict[str, list[float]]:
+    """Each design's step-time ratio to the baseline's from a paired benchmark's CSV (columns
+    ``design`` and ``ratio``), matched by the design's kind (``block:lr=5e-3`` reads ``block``);
+    a design the file does not time is refused, naming the kinds it holds."""
+    with path.open(newline="") as f:
+        timed = {row["design"]: float(row["ratio"]) for row in csv.DictReader(f)}
+    missing = [name for name in designs if name.split(":")[0] not in timed]
+    if missing:
+        raise ValueError(f"{path} times no step of {missing}; it holds {sorted(timed)}")
+    return {name: [timed[name.split(":")[0]]] for name in designs}
 
 
 def ladder(pooled: dict) -> dict:
@@ -125,8 +141,16 @@ def markdown(numbers: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path, help="the ladder's comparison folders, seeds disjoint")
+    parser.add_argument("--step-ratios", type=Path, metavar="CSV",
+                        help="a paired step benchmark's CSV whose ratios replace the comparisons' own timing")
     args = parser.parse_args(argv)
-    print(markdown(ladder(pool([folder_numbers(f) for f in args.folders]))))
+    pooled = pool([folder_numbers(f) for f in args.folders])
+    if args.step_ratios is not None:
+        try:
+            pooled["time_ratios"] = benchmark_ratios(args.step_ratios, list(pooled["losses"]))
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--step-ratios: {error}")
+    print(markdown(ladder(pooled)))
 
 
 if __name__ == "__main__":

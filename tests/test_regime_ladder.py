@@ -68,3 +68,20 @@ def test_the_ladder_reads_real_comparisons(tmp_path):
     assert all(p["time_ratio"]["block"] > 0 for p in points)  # each comparison timed its steps
     numbers = ladder.ladder(ladder.pool(points))
     assert numbers["seeds"] == ["0", "1"] and numbers["designs"]["block"]["gap"]["ci95"] is not None
+
+
+def test_a_quiet_benchmarks_ratios_replace_the_comparisons_timing(tmp_path):
+    """``--step-ratios``: each design's ratio from the benchmark's row of its kind; the
+    multiplier in wall-clock terms is the compute multiplier over it."""
+    ladder = load()
+    table = tmp_path / "regime_step_paired.csv"
+    table.write_text("design,median_ms,ratio\nprenorm,117.0,1.0\nblock,146.0,1.25\n")
+    ratios = ladder.benchmark_ratios(table, ["prenorm:lr=8e-3", "block:lr=5e-3"])
+    assert ratios == {"prenorm:lr=8e-3": [1.0], "block:lr=5e-3": [1.25]}
+    pooled = ladder.pool([point("a", {"4": 1.20, "5": 1.30}, {"4": 1.00, "5": 1.10}, {"4": 1.10, "5": 1.20}, 1.9)])
+    pooled["time_ratios"] = ladder.benchmark_ratios(table, list(pooled["losses"]))
+    block = ladder.ladder(pooled)["designs"]["block"]
+    assert block["time_ratios"] == [1.25]
+    assert math.isclose(block["multiplier"]["time"], block["multiplier"]["budget"] / 1.25, rel_tol=1e-12)
+    with pytest.raises(ValueError, match=r"times no step of \['mhar:lr=3e-3'\]; it holds \['block', 'prenorm'\]"):
+        ladder.benchmark_ratios(table, ["block:lr=5e-3", "mhar:lr=3e-3"])
