@@ -11,7 +11,7 @@ compute-equivalent multiplier over the pooled baseline curves (``analysis.budget
 wall-clock terms with the step-time ratio each comparison measured (their mean, each given),
 or with ``--step-ratios CSV`` the ratios of a quiet-machine benchmark instead
 (``benchmarks/demo_step.py --preset regime --paired``'s ``_paired.csv``: its median ratio for
-each design's kind, the label's part before ``:``).
+each design, read by the label's part before ``:``).
 The baseline's fall per e-fold of budget, ``(L(1) - L(b)) / ln(b)`` per seed for each larger
 budget ``b``, sets the multiplier's scale beside the papers'.
 """
@@ -73,16 +73,35 @@ def pool(points: list[dict]) -> dict:
             "time_ratios": ratios}
 
 
-def benchmark_ratios(path: Path, designs: list[str]) -> dict[str, list[float]]:
-    """Each design's step-time ratio to the baseline's from a paired benchmark's CSV (columns
-    ``design`` and ``ratio``), matched by the design's kind (``block:lr=5e-3`` reads ``block``);
-    a design the file does not time is refused, naming the kinds it holds."""
+def benchmark_ratios(path: Path, designs: list[str], baseline: str) -> dict[str, list[float]]:
+    """Each design's step-time ratio to the baseline's from a paired benchmark at the regime's
+    size (``benchmarks/demo_step.py --preset regime --paired``'s CSV: columns ``design``,
+    ``ratio`` and ``settings``), matched by the label's part before ``:`` (``block:lr=5e-3``
+    reads the row ``block``) and divided by the baseline's row, so that the baseline is 1. A file
+    of another size, without those columns, with a ratio that is not a positive number, or
+    without a design's row is refused, naming the file and what it holds."""
     with path.open(newline="") as f:
-        timed = {row["design"]: float(row["ratio"]) for row in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    columns = set(rows[0]) if rows else set()
+    if not {"design", "ratio", "settings"} <= columns:
+        raise ValueError(f"{path} has columns {sorted(columns)}; a paired benchmark's CSV has design, ratio and "
+                         "settings")
+    timed = {}
+    for row in rows:
+        if "preset=regime" not in (row["settings"] or "").split(","):
+            raise ValueError(f"{path} times {row['design']} with settings {row['settings']!r}, not at the regime's "
+                             "size (preset=regime)")
+        try:
+            timed[row["design"]] = float(row["ratio"])
+        except (TypeError, ValueError):
+            timed[row["design"]] = None
+        if not (timed[row["design"]] or 0) > 0:
+            raise ValueError(f"{path} gives {row['design']} the ratio {row['ratio']!r}; expected a positive number")
     missing = [name for name in designs if name.split(":")[0] not in timed]
     if missing:
         raise ValueError(f"{path} times no step of {missing}; it holds {sorted(timed)}")
-    return {name: [timed[name.split(":")[0]]] for name in designs}
+    base = timed[baseline.split(":")[0]]
+    return {name: [timed[name.split(":")[0]] / base] for name in designs}
 
 
 def ladder(pooled: dict) -> dict:
@@ -147,8 +166,8 @@ def main(argv=None) -> None:
     pooled = pool([folder_numbers(f) for f in args.folders])
     if args.step_ratios is not None:
         try:
-            pooled["time_ratios"] = benchmark_ratios(args.step_ratios, list(pooled["losses"]))
-        except (OSError, ValueError, KeyError) as error:
+            pooled["time_ratios"] = benchmark_ratios(args.step_ratios, list(pooled["losses"]), pooled["baseline"])
+        except (OSError, ValueError) as error:
             parser.error(f"--step-ratios: {error}")
     print(markdown(ladder(pooled)))
 

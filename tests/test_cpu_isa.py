@@ -46,6 +46,11 @@ def test_the_key_covers_the_flags_the_environment_and_the_build_tool(monkeypatch
     assert cpu_build.build_key(cxx) == key
 
 
+#: the files whose cpu cases run under each forced instruction set: the kernels' own tests and
+#: every backend parity file (one read and the merge, whole stream passes, the stream ops)
+PARITY_FILES = ("test_cpu_kernels.py", "test_backends.py", "test_backend_streams.py", "test_backend_stream_ops.py")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_each_forced_instruction_set_builds_and_passes_the_parity_tests(isa, tmp_path):
@@ -61,8 +66,7 @@ def test_each_forced_instruction_set_builds_and_passes_the_parity_tests(isa, tmp
         in built.stderr, built.stderr
     tests = os.path.dirname(__file__)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                           os.path.join(tests, "test_cpu_kernels.py"), os.path.join(tests, "test_backends.py"),
-                           "-k", "cpu or kernel"], capture_output=True, text=True, env=env, check=False)
+                           *(os.path.join(tests, name) for name in PARITY_FILES), "-k", "cpu or kernel"], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1]
 

@@ -2,7 +2,8 @@
 rounding: multi-query reads, the fused pre-norm, the merges; what only they do: broadcast and
 strided sources, the thread count, mixed dtypes. The build and its cache are checked in
 ``test_cpu_build.py``; the kernels' checks against the naive reference (shapes, ablations,
-gradcheck, frozen inputs, streams) run with every other backend's in ``test_backends.py``."""
+gradcheck, frozen inputs, streams) run with every other backend's in ``test_backends.py``,
+``test_backend_streams.py`` and ``test_backend_stream_ops.py``."""
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ from attnres import Trace, Transformer, build_stream
 from attnres.ops import weighted_depth_sum
 
 from .conftest import randomize_stream, tiny_config
-from .test_streams import RandomSublayers, randomized, run
+from .stream_cases import RandomSublayers, randomized, run
 
 D, M = 12, 7
 

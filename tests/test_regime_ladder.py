@@ -71,17 +71,40 @@ def test_the_ladder_reads_real_comparisons(tmp_path):
 
 
 def test_a_quiet_benchmarks_ratios_replace_the_comparisons_timing(tmp_path):
-    """``--step-ratios``: each design's ratio from the benchmark's row of its kind; the
-    multiplier in wall-clock terms is the compute multiplier over it."""
+    """``--step-ratios``: each design's ratio from the benchmark's row of its label's part before
+    ``:``, over the baseline's; the multiplier in wall-clock terms is the compute multiplier over
+    it. A file of another size, a ratio that is no number or a design it does not time is refused."""
     ladder = load()
     table = tmp_path / "regime_step_paired.csv"
-    table.write_text("design,median_ms,ratio\nprenorm,117.0,1.0\nblock,146.0,1.25\n")
-    ratios = ladder.benchmark_ratios(table, ["prenorm:lr=8e-3", "block:lr=5e-3"])
+    table.write_text("design,median_ms,ratio,settings\nprenorm,117.0,1.0,preset=regime\nblock,146.0,1.25,preset=regime\n")
+    ratios = ladder.benchmark_ratios(table, ["prenorm:lr=8e-3", "block:lr=5e-3"], "prenorm:lr=8e-3")
     assert ratios == {"prenorm:lr=8e-3": [1.0], "block:lr=5e-3": [1.25]}
+    assert ladder.benchmark_ratios(table, ["prenorm", "block"], "block") == {"prenorm": [0.8], "block": [1.0]}
     pooled = ladder.pool([point("a", {"4": 1.20, "5": 1.30}, {"4": 1.00, "5": 1.10}, {"4": 1.10, "5": 1.20}, 1.9)])
-    pooled["time_ratios"] = ladder.benchmark_ratios(table, list(pooled["losses"]))
+    pooled["time_ratios"] = ladder.benchmark_ratios(table, list(pooled["losses"]), pooled["baseline"])
     block = ladder.ladder(pooled)["designs"]["block"]
     assert block["time_ratios"] == [1.25]
     assert math.isclose(block["multiplier"]["time"], block["multiplier"]["budget"] / 1.25, rel_tol=1e-12)
     with pytest.raises(ValueError, match=r"times no step of \['mhar:lr=3e-3'\]; it holds \['block', 'prenorm'\]"):
-        ladder.benchmark_ratios(table, ["block:lr=5e-3", "mhar:lr=3e-3"])
+        ladder.benchmark_ratios(table, ["block:lr=5e-3", "mhar:lr=3e-3"], "block:lr=5e-3")
+    demo = tmp_path / "demo_step_paired.csv"
+    demo.write_text("design,ratio,settings\nprenorm,1.0,\nblock,1.12,\n")
+    with pytest.raises(ValueError, match=r"times prenorm with settings '', not at the regime's size \(preset=regime\)"):
+        ladder.benchmark_ratios(demo, ["prenorm", "block"], "prenorm")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("design,ratio,settings\nprenorm,1.0,preset=regime\nblock,,preset=regime\n")
+    with pytest.raises(ValueError, match=r"gives block the ratio ''; expected a positive number"):
+        ladder.benchmark_ratios(empty, ["prenorm", "block"], "prenorm")
+    other = tmp_path / "other.csv"
+    other.write_text("name,value\nblock,1.2\n")
+    with pytest.raises(ValueError, match=r"has columns \['name', 'value'\]; a paired benchmark's CSV has design"):
+        ladder.benchmark_ratios(other, ["block"], "block")
+
+
+def test_the_script_refuses_a_step_ratios_file_it_cannot_read(tmp_path, capsys):
+    ladder = load()
+    folder = Path(__file__).parents[1] / "docs" / "study" / "regime-ladder" / "compare-20261207-055101"
+    with pytest.raises(SystemExit) as stopped:
+        ladder.main([str(folder), "--step-ratios", str(tmp_path / "absent.csv")])
+    assert stopped.value.code == 2
+    assert "--step-ratios: [Errno 2] No such file or directory" in capsys.readouterr().err
