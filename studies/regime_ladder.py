@@ -81,8 +81,8 @@ def benchmark_ratios(path: Path, designs: list[str], baseline: str) -> dict[str,
     of another size, without those columns, with a ratio that is not a positive number, or
     without a design's row is refused, naming the file and what it holds."""
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    columns = set(rows[0]) if rows else set()
+        reader = csv.DictReader(f)
+        columns, rows = set(reader.fieldnames or ()), list(reader)
     if not {"design", "ratio", "settings"} <= columns:
         raise ValueError(f"{path} has columns {sorted(columns)}; a paired benchmark's CSV has design, ratio and "
                          "settings")
@@ -92,16 +92,17 @@ def benchmark_ratios(path: Path, designs: list[str], baseline: str) -> dict[str,
             raise ValueError(f"{path} times {row['design']} with settings {row['settings']!r}, not at the regime's "
                              "size (preset=regime)")
         try:
-            timed[row["design"]] = float(row["ratio"])
-        except (TypeError, ValueError):
-            timed[row["design"]] = None
-        if not (timed[row["design"]] or 0) > 0:
+            ratio = float(row["ratio"])
+        except (TypeError, ValueError):  # an empty or short row: no number
+            ratio = float("nan")
+        if not ratio > 0:
             raise ValueError(f"{path} gives {row['design']} the ratio {row['ratio']!r}; expected a positive number")
-    missing = [name for name in designs if name.split(":")[0] not in timed]
+        timed[row["design"]] = ratio
+    row_of = {name: name.split(":")[0] for name in (*designs, baseline)}
+    missing = [name for name in designs if row_of[name] not in timed]
     if missing:
         raise ValueError(f"{path} times no step of {missing}; it holds {sorted(timed)}")
-    base = timed[baseline.split(":")[0]]
-    return {name: [timed[name.split(":")[0]] / base] for name in designs}
+    return {name: [timed[row_of[name]] / timed[row_of[baseline]]] for name in designs}
 
 
 def ladder(pooled: dict) -> dict:

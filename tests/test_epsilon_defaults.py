@@ -1,15 +1,18 @@
 """Each residual kind's default epsilon (``model_config.KIND_NORM_EPS``) as a comparison, a sweep
 and their resumption apply it: a design given none takes its kind's, ``--set model.norm_eps``
 gives every design one, a label's own wins, and a comparison or sweep saved with other defaults
-(or before the kinds had their own) continues at the epsilons it began with."""
+(or before the kinds had their own) continues at the epsilons it began with; and the committed
+runs on fresh seeds confirm each default."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from attnres.experiments.compare import plan_comparison
 from attnres.experiments.designs import split_residual_overrides
 from attnres.experiments.sweep import Sweep, check_sweep, load_sweep, write_sweep_index
+from attnres.model_config import KIND_NORM_EPS, NORM_EPS
 from attnres.train.config import apply_overrides, preset, to_dict
 
 from .conftest import cli_in_process
@@ -98,10 +101,6 @@ def test_the_committed_fresh_seed_runs_confirm_each_kinds_default():
     """docs/RESULTS.md's rule, read from the committed comparison on seeds 6-9: Block, MHAR and
     Full, whose default (``KIND_NORM_EPS``) is not the shared ``1e-6``, each end with a lower mean
     final loss at their default than at ``1e-6``, and the means are the table's."""
-    from pathlib import Path
-
-    from attnres.model_config import KIND_NORM_EPS, NORM_EPS
-
     folder = Path(__file__).parents[1] / "docs" / "study" / "eps-confirm" / "compare-20261207-130714"
     results = json.loads((folder / "results.json").read_text())
     assert results["seeds"] == [6, 7, 8, 9] and results["data_sha256"] == "566d3834c5f89340"
