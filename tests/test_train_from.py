@@ -3,6 +3,7 @@ attnres export) continues training through the trainer's own loop, and goes back
 its architecture with `attnres export`."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -179,11 +180,14 @@ def test_a_run_folder_or_a_folder_without_a_model_is_refused(trained, tmp_path):
 def test_ctrl_c_then_resume_continues_as_an_uninterrupted_run(folders, tmp_path):
     """SIGINT saves a checkpoint; `--resume` continues with no log row repeated or missing, and
     its losses are those of a run never interrupted (constant schedule: the length of the run
-    does not change the learning rate)."""
+    does not change the learning rate). The interrupted run computes on as many threads as the
+    two in this process: a step's reductions split over another number of threads round
+    otherwise, which AdamW's first, nearly sign-like updates hide until a later step."""
     constant = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=0"]
     command = [sys.executable, "-m", "attnres", "train", "--from", str(folders["conv"]), *TINY, *constant]
     proc = subprocess.Popen([*command, "--set", "run.steps=100000", "--run-dir", str(tmp_path / "a")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     _, err = signal_after_first_step(proc, lambda: tmp_path / "a" / "metrics.jsonl", signal.SIGINT)
     assert proc.returncode == 128 + signal.SIGINT, err
     stopped = json.loads((tmp_path / "a" / "summary.json").read_text())["steps"]
