@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,6 +76,27 @@ def test_resume_continues_bit_for_bit_and_the_log_is_exact(tmp_path, corpus):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in a] == [b[s] for s in a]  # bit for bit
     assert log_rows(crashed) == log_rows(tmp_path / "straight")  # each row once, losses equal
+
+
+def test_a_resume_on_another_thread_count_says_so_and_continues(tmp_path, corpus):
+    """A job resuming on the arithmetic of the job that stopped the run says nothing; on another
+    thread count (another `machine` id) it warns, naming the change, and the run continues."""
+    stopped, whole = quiet(tiny(), steps=2, log_every=1), quiet(tiny(), steps=4, log_every=1)
+    threads = torch.get_num_threads()
+    for name in ("same", "other"):
+        train(stopped, tmp_path / name, corpus=corpus)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(whole, tmp_path / "same", corpus=corpus, resume=True)
+    assert not [w for w in seen if "other arithmetic" in str(w.message)]
+    try:
+        torch.set_num_threads(threads + 1)
+        with pytest.warns(RuntimeWarning, match=rf"resumes on other arithmetic than the job that stopped it \(threads "
+                                                rf"{threads} -> {threads + 1}\): from here its losses round otherwise"):
+            train(whole, tmp_path / "other", corpus=corpus, resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(losses(tmp_path / "other")) == [1, 2, 3, 4]
 
 
 def test_lr_schedules():

@@ -1,10 +1,12 @@
 """Resuming a run: the checkpoint it continues from, read and checked before any work
 (``resume_point``), its state restored into the new run's model and optimizer (``restore``),
-and its counterpart, the checkpoint a run writes (``save``).
+what a resume on other arithmetic than the stopped job's changes (``machine_change``), and its
+counterpart, the checkpoint a run writes (``save``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,33 @@ def resume_point(cfg: TrainConfig, run_dir: Path, checked_model=None) -> ResumeP
             f"--set run.steps=N (N > {step}) to train further"
         )
     return ResumePoint(path, weights, state)
+
+
+def saved_machine(run_dir: Path) -> dict | None:
+    """The machine (``machine.machine``) that the run's ``summary.json`` names: that of the job
+    that last stopped it; None when the summary is missing (a job killed before it wrote one),
+    unreadable or older than the record."""
+    try:
+        recorded = json.loads((Path(run_dir) / "summary.json").read_text()).get("machine")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) and recorded.get("id") else None
+
+
+def machine_change(before: dict | None, now: dict) -> str | None:
+    """One line when a resumed run continues on other arithmetic than the job that stopped it
+    (``machine.machine``'s ``id`` differs: the CPU or its instruction flags, the thread count,
+    torch, the GPU), naming what changed; None when it is the same or unknown. A step's
+    reductions split over other threads or run other instructions round otherwise, so the
+    resumed losses leave an uninterrupted run's in their last digits (equal to the last bit only
+    on one machine at one thread count)."""
+    if before is None or before.get("id") == now.get("id"):
+        return None
+    changed = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in ("cpu", "threads", "torch", "gpu")
+               if before.get(key) != now.get(key)]
+    return (f"this run resumes on other arithmetic than the job that stopped it "
+            f"({'; '.join(changed) or 'the CPU instruction flags'}): from here its losses round otherwise than "
+            f"an uninterrupted run's (equal to the last bit only on one machine at one thread count)")
 
 
 def restore(point: ResumePoint, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,

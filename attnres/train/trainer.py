@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -46,7 +47,7 @@ from .parallel_plan import ParallelPlan
 from .pipeline import Pipeline
 from .resources import peak_memory_mib
 from .stage_local import rank_footprint
-from .resume import restore, resume_point, save
+from .resume import machine_change, restore, resume_point, save, saved_machine
 from .run_model import OwnModel, RunModel, load_data
 from .run_start import Placement, autocast_for, build_optimizer, start_processes
 from .run_files import Metrics, check_run_dir, no_trace_if_refused, remove_run, write_json
@@ -414,6 +415,7 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     spec.check(cfg, dist.pick_device(cfg.run.device))  # the model fits the settings; a backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir, spec.checkpoint_model(cfg)) if resume else None
+    stopped_on = saved_machine(run_dir) if resume else None  # before this job's summary replaces it
     locked = False
     try:
         with no_trace_if_refused(run_dir, main):
@@ -431,6 +433,9 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
                 run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,
                                                          run.info.distributed, spec.checkpoint_mismatch(run.cfg))
                 point = None  # the checkpoint's tensors now live in the model and the optimizer
+                change = machine_change(stopped_on, machine(run.info.device)) if main else None
+                if change is not None:
+                    warnings.warn(change, RuntimeWarning, stacklevel=2)
             if main:
                 remove_run(run_dir, old_run)
                 write_json(run_dir / "config.json", to_dict(run.cfg))
