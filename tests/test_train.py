@@ -79,8 +79,10 @@ def test_resume_continues_bit_for_bit_and_the_log_is_exact(tmp_path, corpus):
 
 
 def test_a_resume_on_another_thread_count_says_so_and_continues(tmp_path, corpus):
-    """A job resuming on the arithmetic of the job that stopped the run says nothing; on another
-    thread count (another `machine` id) it warns, naming the change, and the run continues."""
+    """A job resuming on the arithmetic of the job that wrote the checkpoint says nothing; on
+    another thread count (another `machine` id, recorded in the checkpoint: a job killed before
+    its summary was written is known too) it warns, naming the run and the change, and the run
+    continues."""
     stopped, whole = quiet(tiny(), steps=2, log_every=1), quiet(tiny(), steps=4, log_every=1)
     threads = torch.get_num_threads()
     for name in ("same", "other"):
@@ -89,14 +91,18 @@ def test_a_resume_on_another_thread_count_says_so_and_continues(tmp_path, corpus
         warnings.simplefilter("always")
         train(whole, tmp_path / "same", corpus=corpus, resume=True)
     assert not [w for w in seen if "other arithmetic" in str(w.message)]
+    (tmp_path / "other" / "summary.json").unlink()
+    said = (rf"other resumes on other arithmetic than the job that wrote its checkpoint \(threads {threads} -> "
+            rf"{threads + 1}\): from here its losses round otherwise")
     try:
         torch.set_num_threads(threads + 1)
-        with pytest.warns(RuntimeWarning, match=rf"resumes on other arithmetic than the job that stopped it \(threads "
-                                                rf"{threads} -> {threads + 1}\): from here its losses round otherwise"):
+        with pytest.warns(RuntimeWarning, match=said):
             train(whole, tmp_path / "other", corpus=corpus, resume=True)
     finally:
         torch.set_num_threads(threads)
     assert sorted(losses(tmp_path / "other")) == [1, 2, 3, 4]
+    assert torch.load(tmp_path / "other" / "checkpoints" / "step-0000004" / "state.pt",
+                      weights_only=True)["machine"]["threads"] == threads + 1
 
 
 def test_lr_schedules():

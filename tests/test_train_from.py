@@ -181,7 +181,7 @@ def test_ctrl_c_then_resume_continues_as_an_uninterrupted_run(folders, tmp_path)
     """SIGINT saves a checkpoint; `--resume` continues with no log row repeated or missing, and
     its losses are those of a run never interrupted (constant schedule: the length of the run
     does not change the learning rate). The interrupted run computes on as many threads as the
-    two in this process: a step's reductions split over another number of threads round
+    resumed and the uninterrupted runs here: a step's reductions split over another number of threads round
     otherwise, which AdamW's first, nearly sign-like updates hide until a later step."""
     constant = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=0"]
     command = [sys.executable, "-m", "attnres", "train", "--from", str(folders["conv"]), *TINY, *constant]

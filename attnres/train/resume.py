@@ -18,6 +18,7 @@ from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkp
                          load_train_state, save_checkpoint)
 from .config import SAVED_BEFORE, TrainConfig, to_dict
 from .data import is_path_source
+from .machine import machine
 from .sharded import load_full, load_sharded, save_sharded
 from .steps import LayerGradNorms
 
@@ -104,21 +105,23 @@ def resume_point(cfg: TrainConfig, run_dir: Path, checked_model=None) -> ResumeP
     return ResumePoint(path, weights, state)
 
 
-def saved_machine(run_dir: Path) -> dict | None:
-    """The machine (``machine.machine``) that the run's ``summary.json`` names: that of the job
-    that last stopped it; None when the summary is missing (a job killed before it wrote one),
-    unreadable or older than the record."""
-    try:
-        recorded = json.loads((Path(run_dir) / "summary.json").read_text()).get("machine")
-    except (OSError, ValueError, AttributeError):
-        return None
+def saved_machine(point: ResumePoint, run_dir: Path) -> dict | None:
+    """The machine (``machine.machine``) of the job that wrote checkpoint ``point``: the record in
+    its ``state.pt``, or for a checkpoint saved before that record, the one the run's
+    ``summary.json`` names (the last job that ended; None when it has none or cannot be read)."""
+    recorded = point.state.get("machine") if isinstance(point.state, dict) else None
+    if recorded is None:
+        try:
+            recorded = json.loads((Path(run_dir) / "summary.json").read_text()).get("machine")
+        except (OSError, ValueError, AttributeError):
+            return None
     return recorded if isinstance(recorded, dict) and recorded.get("id") else None
 
 
-def machine_change(before: dict | None, now: dict) -> str | None:
-    """One line when a resumed run continues on other arithmetic than the job that stopped it
-    (``machine.machine``'s ``id`` differs: the CPU or its instruction flags, the thread count,
-    torch, the GPU), naming what changed; None when it is the same or unknown. A step's
+def machine_change(before: dict | None, now: dict, run_dir: Path) -> str | None:
+    """One line when run ``run_dir`` resumes on other arithmetic than the job that wrote its
+    checkpoint (``machine.machine``'s ``id`` differs: the CPU or its instruction flags, the thread
+    count, torch, the GPU), naming what changed; None when it is the same or unknown. A step's
     reductions split over other threads or run other instructions round otherwise, so the
     resumed losses leave an uninterrupted run's in their last digits (equal to the last bit only
     on one machine at one thread count)."""
@@ -126,7 +129,7 @@ def machine_change(before: dict | None, now: dict) -> str | None:
         return None
     changed = [f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in ("cpu", "threads", "torch", "gpu")
                if before.get(key) != now.get(key)]
-    return (f"this run resumes on other arithmetic than the job that stopped it "
+    return (f"{run_dir} resumes on other arithmetic than the job that wrote its checkpoint "
             f"({'; '.join(changed) or 'the CPU instruction flags'}): from here its losses round otherwise than "
             f"an uninterrupted run's (equal to the last bit only on one machine at one thread count)")
 
@@ -181,8 +184,11 @@ def save(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
          grad_norms: LayerGradNorms, distributed: bool) -> None:
     """Checkpoint ``step`` into ``ckpt_root``: the weights and optimizer state, the RNG, the
     config and the gradient-norm statistics; one process writes them whole, several
-    (``distributed``) write their own shards (``sharded.save_sharded``), nothing gathered."""
-    train_state = dict(rng=torch.get_rng_state(), step=step, config=to_dict(cfg), **grad_norms.state())
+    (``distributed``) write their own shards (``sharded.save_sharded``), nothing gathered; the
+    machine that wrote it (``machine.machine``), which a resume compares with its own."""
+    first = next(model.parameters(), None)
+    train_state = dict(rng=torch.get_rng_state(), step=step, config=to_dict(cfg), **grad_norms.state(),
+                       machine=machine(first.device if first is not None else None))
     if distributed:
         save_sharded(ckpt_root, step, model, optimizer, train_state)
     else:

@@ -415,7 +415,6 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
     spec.check(cfg, dist.pick_device(cfg.run.device))  # the model fits the settings; a backend that runs there
     old_run = check_run_dir(run_dir, resume, overwrite, owner=main)  # reads only
     point = resume_point(cfg, run_dir, spec.checkpoint_model(cfg)) if resume else None
-    stopped_on = saved_machine(run_dir) if resume else None  # before this job's summary replaces it
     locked = False
     try:
         with no_trace_if_refused(run_dir, main):
@@ -430,10 +429,11 @@ def train(cfg: TrainConfig, run_dir: Path, *, corpus: Corpus | None = None, resu
             run = start(cfg, run_dir, corpus, place, spec)
             run.on_step = on_step
             if point is not None:
+                stopped_on = saved_machine(point, run_dir) if main else None
                 run.start_step, run.grad_norms = restore(point, run.model, run.optimizer, run.cfg,
                                                          run.info.distributed, spec.checkpoint_mismatch(run.cfg))
                 point = None  # the checkpoint's tensors now live in the model and the optimizer
-                change = machine_change(stopped_on, machine(run.info.device)) if main else None
+                change = machine_change(stopped_on, machine(run.info.device), run_dir) if main else None
                 if change is not None:
                     warnings.warn(change, RuntimeWarning, stacklevel=2)
             if main:
