@@ -6,13 +6,13 @@ counterpart, the checkpoint a run writes (``save``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..files import read_json
 from ..model import match_param_groups
 from .checkpoint import (CheckpointError, check_state, is_sharded, latest_checkpoint, load_checkpoint, load_problem,
                          load_train_state, save_checkpoint)
@@ -112,7 +112,7 @@ def saved_machine(point: ResumePoint, run_dir: Path) -> dict | None:
     recorded = point.state.get("machine") if isinstance(point.state, dict) else None
     if recorded is None:
         try:
-            recorded = json.loads((Path(run_dir) / "summary.json").read_text()).get("machine")
+            recorded = read_json(Path(run_dir) / "summary.json").get("machine")
         except (OSError, ValueError, AttributeError):
             return None
     return recorded if isinstance(recorded, dict) and recorded.get("id") else None
