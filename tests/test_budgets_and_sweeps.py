@@ -2,6 +2,7 @@
 compute-equivalent multiplier; ``attnres sweep``: one comparison per point of a ladder."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import cli_in_process
 
@@ -94,27 +96,43 @@ def test_a_sweep_refuses_bad_points_before_any_work(tmp_path, over, message):
     assert not any(tmp_path.iterdir())
 
 
+def losses(root: Path) -> dict:
+    """Every run's logged rows in sweep ``root`` (point/run -> rows), less the throughput, which
+    follows the machine's load."""
+    return {str(path.parent.relative_to(root)): [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+                                                 for line in path.read_text().splitlines()]
+            for path in sorted(root.glob("point-*/*/metrics.jsonl"))}
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_by_a_signal_resumes_where_it_stopped(tmp_path):
-    cmd = [sys.executable, "-m", "attnres", "sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm",
-           "block", "--seeds", "0", "1", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """SIGINT once the first point has finished: --resume keeps that point as it was and ends
+    with every run's log equal, to the last bit, to a sweep that never stopped."""
+    args = ["sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm", "block", "--seeds", "0", "1"]
+    cmd = [sys.executable, "-m", "attnres", *args, "--out", str(tmp_path / "stopped")]
+    # the resume runs in this process: the stopped part gets its thread count, so both round alike
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:  # the first point's comparison finished
-        done = list(tmp_path.glob("sweep-*/point-0/compare.json"))
+        done = list((tmp_path / "stopped").glob("sweep-*/point-0/compare.json"))
         if done and json.loads(done[0].read_text()).get("complete"):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
-    root = next(tmp_path.glob("sweep-*"))
+    root = next((tmp_path / "stopped").glob("sweep-*"))
     assert not json.loads((root / "sweep.json").read_text())["complete"]
     first = (root / "point-0" / "results.json").read_text()
     out = cli_in_process("sweep", "--resume", str(root))
     assert out.returncode == 0, out.stderr
     assert json.loads((root / "sweep.json").read_text())["complete"]
     assert (root / "point-0" / "results.json").read_text() == first  # the finished point was kept
+    out = cli_in_process(*args, "--out", str(tmp_path / "whole"))
+    assert out.returncode == 0, out.stderr
+    stopped, whole = losses(root), losses(next((tmp_path / "whole").glob("sweep-*")))
+    assert len(stopped) == 8 and stopped == whole
 
 
 @pytest.mark.parametrize("args,message", [
