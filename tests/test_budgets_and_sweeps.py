@@ -4,13 +4,9 @@ compute-equivalent multiplier; ``attnres sweep``: one comparison per point of a 
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from .conftest import cli_in_process
 
@@ -106,30 +102,38 @@ def losses(root: Path) -> dict:
 
 @pytest.mark.slow
 def test_a_sweep_stopped_by_a_signal_resumes_where_it_stopped(tmp_path):
-    """SIGINT once the first point has finished: --resume keeps that point as it was and ends
-    with every run's log equal, to the last bit, to a sweep that never stopped."""
+    """Ctrl-C (SIGINT, sent to this process) at step 3 of the second point's Block run, seed 0:
+    the sweep stops there with that run's checkpoint; --resume leaves the finished first point
+    untouched, continues the stopped run from its checkpoint, and ends with every run's log equal,
+    to the last bit, to a sweep that never stopped."""
+    from attnres.train import trainer
+
+    real = trainer.train_step
+
+    def step(run, index, logging):
+        result = real(run, index, logging)
+        if run.cfg.model.n_layers == 3 and run.cfg.model.residual == "block" and run.cfg.run.seed == 0 \
+                and index + 1 == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
     args = ["sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm", "block", "--seeds", "0", "1"]
-    cmd = [sys.executable, "-m", "attnres", *args, "--out", str(tmp_path / "stopped")]
-    # the resume runs in this process: the stopped part gets its thread count, so both round alike
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # the first point's comparison finished
-        done = list((tmp_path / "stopped").glob("sweep-*/point-0/compare.json"))
-        if done and json.loads(done[0].read_text()).get("complete"):
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "train_step", step)
+        out = cli_in_process(*args, "--out", tmp_path / "stopped")
+    assert out.returncode == 130, out.stderr
     root = next((tmp_path / "stopped").glob("sweep-*"))
     assert not json.loads((root / "sweep.json").read_text())["complete"]
-    first = (root / "point-0" / "results.json").read_text()
-    out = cli_in_process("sweep", "--resume", str(root))
+    point = json.loads((root / "point-1" / "compare.json").read_text())
+    assert not point["complete"] and point["stopped_by"] == "SIGINT"
+    assert [(r["design"], r["seed"], r["steps_done"]) for r in point["runs"]] == [("prenorm", 0, 8), ("block", 0, 3)]
+    assert sorted(p.name for p in (root / "point-1" / "block-seed0" / "checkpoints").glob("step-*")) == ["step-0000003"]
+    first = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (root / "point-0").rglob("*") if p.is_file()}
+    out = cli_in_process("sweep", "--resume", root)
     assert out.returncode == 0, out.stderr
     assert json.loads((root / "sweep.json").read_text())["complete"]
-    assert (root / "point-0" / "results.json").read_text() == first  # the finished point was kept
-    out = cli_in_process(*args, "--out", str(tmp_path / "whole"))
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (root / "point-0").rglob("*") if p.is_file()} == first
+    out = cli_in_process(*args, "--out", tmp_path / "whole")
     assert out.returncode == 0, out.stderr
     stopped, whole = losses(root), losses(next((tmp_path / "whole").glob("sweep-*")))
     assert len(stopped) == 8 and stopped == whole
