@@ -100,6 +100,32 @@ def losses(root: Path) -> dict:
             for path in sorted(root.glob("point-*/*/metrics.jsonl"))}
 
 
+def test_a_signal_between_two_points_stops_the_sweep_before_the_next(tmp_path):
+    """SIGINT (sent to this process) after the first point finished, as the sweep looks at the
+    second: no second point is started, exit 130 with the command that continues it, and
+    --resume runs the second point alone."""
+    from attnres.experiments import sweep
+
+    real = sweep._point_state
+
+    def state(point_dir):
+        if point_dir.name == "point-1":
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(point_dir)
+
+    args = ["sweep", "--over", "model.n_layers=2,3", *TINY, "--designs", "prenorm", "--out", tmp_path]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep, "_point_state", state)
+        out = cli_in_process(*args)
+    root = next(tmp_path.glob("sweep-*"))
+    assert out.returncode == 130 and f"continue it with: attnres sweep --resume {root}" in out.stderr, out.stderr
+    assert not json.loads((root / "sweep.json").read_text())["complete"] and not (root / "point-1").exists()
+    out = cli_in_process("sweep", "--resume", root)
+    assert out.returncode == 0, out.stderr
+    assert "sweep point model.n_layers=2" not in out.stdout and "sweep point model.n_layers=3" in out.stdout
+    assert json.loads((root / "sweep.json").read_text())["complete"]
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_by_a_signal_resumes_where_it_stopped(tmp_path):
     """Ctrl-C (SIGINT, sent to this process) at step 3 of the second point's Block run, seed 0:

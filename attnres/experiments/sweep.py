@@ -27,6 +27,7 @@ from pathlib import Path
 from ..analysis.comparison_record import read_record
 from ..analysis.figures import pyplot, save_figure
 from ..files import new_folder
+from ..signals import Signals
 from ..analysis.stats import mean_and_sd
 from ..streams import MODEL_OPTIONS
 from .compare import Plan, plan_comparison, resume_comparison, run_comparison
@@ -196,30 +197,35 @@ def _point_state(point_dir: Path) -> str:
 def _run_points(root: Path, sweep: Sweep, index: dict, plans: list[Plan], log,
                 allow_mixed_data: bool = False) -> int | None:
     """Each point not yet complete: a started one's comparison resumed (it plans from its own
-    ``compare.json``), a new one's run from its plan in ``plans``."""
-    for entry, plan in zip(index["points"], plans, strict=True):
-        point_dir = root / entry["dir"]
-        state = _point_state(point_dir)
-        if state == "complete":
-            continue
-        where = ", ".join(f"{k}={v}" for k, v in entry["values"].items())
-        log(f"sweep point {where}")
-        if state == "started":
-            outcome = resume_comparison(point_dir, log, allow_mixed_data=allow_mixed_data)
-        else:
-            if point_dir.exists():  # a point stopped before its comparison wrote its index
-                leftovers = sorted(p.name for p in point_dir.iterdir())
-                if leftovers:
-                    raise ValueError(f"{point_dir} holds {leftovers[:3]} but no compare.json: move them away to "
-                                     f"rerun the point")
-                point_dir.rmdir()
-            outcome = run_comparison(plan, root=point_dir, log=log, command=sweep.command)
-        if outcome.signal is not None:
-            return outcome.signal
-    index["complete"] = True
-    index["summary"] = summarize_sweep(root, index)
-    write_sweep_index(root, index)
-    draw_sweep(root, index)
+    ``compare.json``), a new one's run from its plan in ``plans``. The signal handlers are held
+    over the whole loop (the comparisons share them): a signal between two points stops the
+    sweep before the next one starts, as one during a point stops that point's comparison."""
+    with Signals() as signals:
+        for entry, plan in zip(index["points"], plans, strict=True):
+            point_dir = root / entry["dir"]
+            state = _point_state(point_dir)
+            if state == "complete":
+                continue
+            if signals.received is not None:
+                return signals.received
+            where = ", ".join(f"{k}={v}" for k, v in entry["values"].items())
+            log(f"sweep point {where}")
+            if state == "started":
+                outcome = resume_comparison(point_dir, log, allow_mixed_data=allow_mixed_data)
+            else:
+                if point_dir.exists():  # a point stopped before its comparison wrote its index
+                    leftovers = sorted(p.name for p in point_dir.iterdir())
+                    if leftovers:
+                        raise ValueError(f"{point_dir} holds {leftovers[:3]} but no compare.json: move them away "
+                                         f"to rerun the point")
+                    point_dir.rmdir()
+                outcome = run_comparison(plan, root=point_dir, log=log, command=sweep.command)
+            if outcome.signal is not None:
+                return outcome.signal
+        index["complete"] = True
+        index["summary"] = summarize_sweep(root, index)
+        write_sweep_index(root, index)
+        draw_sweep(root, index)
     return None
 
 
