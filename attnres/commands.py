@@ -274,6 +274,7 @@ def resumed_layout(saved, assignments):
 
 
 def cmd_train(args) -> int:
+    from .experiments.designs import preset_train_rate
     from .train.distributed import launched_world_size
     from .train.run_model import OwnModel
     from .train.trainer import train
@@ -319,6 +320,10 @@ def cmd_train(args) -> int:
     elif args.source:
         raise ValueError(f"--source gives the new place of the folder a run started from (train --from); "
                          f"{run_dir} built its own model: leave --source out")
+    elif not args.resume:  # its own model: at the rate a preset's comparison gives its design (regime)
+        cfg, note = preset_train_rate(args.preset, cfg, args.set or [])
+        if note and rank() == 0:
+            print(note)
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second
