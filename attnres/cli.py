@@ -155,8 +155,8 @@ def _add_sweep(sub) -> None:
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train one model")
-    _add_config_args(p, "small", "; regime: prenorm, block, mhar and full each at the learning rate its "
-                                 "comparison gives it, unless --set optim.lr")
+    _add_config_args(p, "small", "; regime: a prenorm, block, mhar or full model at the rate compare --preset "
+                                 "regime gives it (8e-3, 5e-3, 3e-3, 2e-3), any other at 3e-3; --set optim.lr wins")
     p.add_argument("--run-dir", help="folder of the run (default: runs/<residual>-<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start over in a --run-dir that holds a run (its files go)")

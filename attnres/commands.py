@@ -274,7 +274,7 @@ def resumed_layout(saved, assignments):
 
 
 def cmd_train(args) -> int:
-    from .experiments.designs import preset_train_rate
+    from .experiments.train_rate import preset_train_rate
     from .train.distributed import launched_world_size
     from .train.run_model import OwnModel
     from .train.trainer import train
@@ -323,7 +323,7 @@ def cmd_train(args) -> int:
     elif not args.resume:  # its own model: at the rate a preset's comparison gives its design (regime)
         cfg, note = preset_train_rate(args.preset, cfg, args.set or [])
         if note and rank() == 0:
-            print(note)
+            print(note, file=sys.stderr)
     made = None
     if run_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # under torchrun every rank names the folder alike: --run-dir avoids a shared second

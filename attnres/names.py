@@ -37,7 +37,8 @@ ABLATIONS = (
     "full:window=8", "block", "block:block_size=4", "block:block_size=8", "block:block_size=16", "block:heads=16",
     "block:key_norm=false", "denseformer",
 )
-#: the regime's designs, each at the learning rate its grid chose and fresh seeds confirmed
+#: the regime's designs, each at the learning rate its grid chose and fresh seeds confirmed;
+#: ``attnres train --preset regime`` trains a model that is one of them at its rate too
 REGIME_DESIGNS = ("prenorm:lr=8e-3", "block:lr=5e-3", "mhar:lr=3e-3", "full:lr=2e-3")
 #: what ``attnres compare --preset NAME`` compares when --designs and --seeds are not given
 #: (others: ``DEFAULT_DESIGNS``, seed 0)

@@ -1,7 +1,5 @@
 """The presets `attnres compare` names: each one's size, designs and seeds (docs/RESULTS.md)."""
 
-import dataclasses
-
 import pytest
 
 
@@ -47,49 +45,6 @@ def test_the_regime_preset_trains_twenty_tokens_per_parameter_without_repeating_
     study = preset("study")
     assert cfg.optim.warmup_steps / cfg.run.steps == pytest.approx(study.optim.warmup_steps / study.run.steps, abs=5e-4)
     check_run(cfg)
-
-
-@pytest.mark.parametrize("given,label", [
-    ([], "prenorm:lr=8e-3"),
-    (["model.residual=block"], "block:lr=5e-3"),
-    (["model.residual=block", "model.block_size=2"], "block:lr=5e-3"),  # 8 blocks, given another way
-    (["model.residual=block", "model.heads=2"], "mhar:lr=3e-3"),
-    (["model.residual=full", "model.backend=reference"], "full:lr=2e-3"),  # the kernels do not make a design
-    (["model.residual=block", "model.num_blocks=4"], None),  # another Block: not the one tuned
-    (["model.residual=mhc"], None),
-])
-def test_train_with_the_regime_preset_takes_the_rate_its_comparison_gives_the_design(given, label):
-    """`train --preset regime` trains a model that is one of the regime's designs at that design's
-    rate (its label in `REGIME_DESIGNS`), as `compare --preset regime` does, and says so; any
-    other model at the preset's 3e-3, saying which designs have rates; `--set optim.lr` wins."""
-    from attnres.experiments.designs import parse_design, preset_train_rate
-    from attnres.names import REGIME_DESIGNS
-    from attnres.train.config import apply_overrides, preset
-
-    cfg = apply_overrides(preset("regime"), given)
-    trained, note = preset_train_rate("regime", cfg, given)
-    if label is None:
-        assert trained == cfg and trained.optim.lr == 3e-3 and " ".join(REGIME_DESIGNS) in note
-    else:
-        assert label in REGIME_DESIGNS and trained.optim.lr == float(parse_design(label)[1]["lr"])
-        assert f"({label}, as its comparison trains it)" in note
-        assert trained == dataclasses.replace(cfg, optim=trained.optim)  # nothing else changed
-    mine = apply_overrides(preset("regime"), [*given, "optim.lr=1e-3"])
-    assert preset_train_rate("regime", mine, [*given, "optim.lr=1e-3"]) == (mine, None)
-    assert preset_train_rate("study", cfg, given) == (cfg, None)  # a preset without per-design rates
-
-
-def test_train_with_the_regime_preset_records_and_prints_the_designs_rate(tmp_path):
-    import json
-
-    from .conftest import cli_in_process
-
-    out = cli_in_process("train", "--preset", "regime", "--set", "model.residual=full", "--set", "run.steps=1",
-                         "--set", "run.eval_every=1", "--set", "run.eval_batches=1", "--set", "run.progress=false",
-                         "--set", "run.tensorboard=false", "--run-dir", tmp_path / "run")
-    assert out.returncode == 0, out.stderr
-    assert "optim.lr=0.002: the rate --preset regime gives this design (full:lr=2e-3" in out.stdout
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr"] == 0.002
 
 
 def test_the_regime_preset_runs_each_design_at_its_own_learning_rate():

@@ -13,8 +13,8 @@ from ..analysis.comparison import label_path
 from ..model import ModelConfig
 from ..model_config import default_norm_eps
 from ..names import COMPARISON_PRESETS, CONVERT_DEFAULTS, DEFAULT_DESIGNS, DESIGNS, FOLDER_DESIGNS
-from ..streams import KINDS, MODEL_OPTIONS, STREAMS, resolve_block_sizes
-from ..train.config import OptimConfig, TrainConfig, parse_value
+from ..streams import KINDS, MODEL_OPTIONS, STREAMS
+from ..train.config import OptimConfig, parse_value
 
 
 #: model fields a comparison's ``--set`` gives every design, as it gives a residual option, which
@@ -47,50 +47,6 @@ LABEL_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX
 def kind_options(kind: str) -> set[str]:
     """The model fields (``MODEL_OPTIONS``) that residual ``kind``'s stream takes as options."""
     return {field for field, option in MODEL_OPTIONS.items() if option.name in STREAMS[kind].options()}
-
-
-#: model options that choose how a design is computed, not which design it is
-HOW_COMPUTED = ("backend", "two_phase")
-
-
-def design_key(model: ModelConfig) -> tuple:
-    """What makes ``model`` the design it is, sizes, epsilon and kernels aside: its residual
-    kind, the options the kind takes, and its blocks as sizes in sublayers (however given)."""
-    takes = sorted(kind_options(model.residual) - set(BLOCK_SIZING) - set(HOW_COMPUTED))
-    blocks = (resolve_block_sizes(model.num_sublayers, model.block_size, model.num_blocks, model.block_sizes)[0]
-              if set(BLOCK_SIZING) & kind_options(model.residual) else None)
-    return model.residual, tuple((f, getattr(model, f)) for f in takes), blocks
-
-
-def preset_rate(preset: str, model: ModelConfig) -> tuple[str, float] | None:
-    """The label and learning rate comparison preset ``preset`` gives the design that ``model``
-    is (``design_key``; e.g. ``("block:lr=5e-3", 0.005)`` for a Block of 8 blocks under
-    ``regime``), so that ``train`` trains it as the preset's comparison does; None where the
-    preset gives no label its own rate, or ``model`` is none of its designs."""
-    for label in COMPARISON_PRESETS.get(preset, {}).get("designs", ()):
-        own = parse_design(label)[1]
-        if "lr" in own and design_key(design_config(model, label)) == design_key(model):
-            return label, own["lr"]
-    return None
-
-
-def preset_train_rate(preset: str, cfg: TrainConfig, assignments) -> tuple[TrainConfig, str | None]:
-    """``attnres train --preset PRESET``'s learning rate for a run of its own model (not a
-    folder's): where the comparison preset of that name gives its designs their own rates
-    (``regime``), ``cfg`` at the rate of the design its model is (``preset_rate``) unless
-    ``--set optim.lr`` (in ``assignments``) gives one, and a line saying which rate it trains at
-    and why; ``(cfg, None)`` for the other presets."""
-    tuned = [label for label in COMPARISON_PRESETS.get(preset, {}).get("designs", ()) if "lr" in parse_design(label)[1]]
-    if not tuned or any(a.partition("=")[0].strip() == "optim.lr" for a in assignments):
-        return cfg, None
-    match = preset_rate(preset, cfg.model)
-    if match is None:
-        return cfg, (f"optim.lr={cfg.optim.lr:g}: the preset's own; the model is none of the designs --preset {preset} "
-                     f"gives a rate of their own ({' '.join(tuned)}); --set optim.lr=X for another")
-    label, lr = match
-    return (dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr)),
-            f"optim.lr={lr:g}: the rate --preset {preset} gives this design ({label}, as its comparison trains it); "
-            f"--set optim.lr=X for another")
 
 
 def kind_optim_fields(kind: str) -> tuple[str, ...]:

@@ -204,7 +204,9 @@ def regime() -> TrainConfig:
     regime"): the study's depth and sequence at width 48 (2 heads of 24), 246,576 parameters,
     trained on 20.1 byte tokens per parameter (2420 steps of 16 x 128), warm-up the same 4% of the
     steps as the study's, from a 48M-token prefix of the corpus (three times the largest budget
-    run's tokens, so no run samples a byte more than about once). About 3 minutes a run."""
+    run's tokens, so no run samples a byte more than about once). About 3 minutes a run. Its 3e-3
+    is the rate of a model none of ``names.REGIME_DESIGNS`` is: ``attnres train`` trains those at
+    their own (``experiments/train_rate.py``)."""
     return TrainConfig(
         model=_model(dim=48, n_layers=8, n_heads=2, max_seq_len=128),
         data=DataConfig(max_train_tokens=48_000_000, max_val_tokens=400_000),
