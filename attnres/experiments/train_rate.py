@@ -17,7 +17,7 @@ from .designs import BLOCK_SIZING, SIZE_FIELDS, design_config, kind_options, par
 
 #: model options that choose how a design is computed, not which design it is
 HOW_COMPUTED = ("backend", "two_phase")
-#: sizes that leave a model the same design at another size (its epsilon is the design's choice)
+#: shared fields that are no size: how the epsilon is set (the run's choice, not where a rate was tuned)
 NOT_SIZES = ("norm_eps_scale",)
 
 
