@@ -94,3 +94,13 @@ def load_study(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def log_rows(run_dir):
+    """A run's logged rows (``metrics.jsonl``) without their timing field, which follows the
+    machine's load."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import cli_in_process
+from .conftest import cli_in_process, log_rows
 
 TINY = ["--preset", "tiny", "--set", "run.progress=false", "--set", "run.tensorboard=false"]
 
@@ -95,8 +95,7 @@ def test_a_sweep_refuses_bad_points_before_any_work(tmp_path, over, message):
 def losses(root: Path) -> dict:
     """Every run's logged rows in sweep ``root`` (point/run -> rows), less the throughput, which
     follows the machine's load."""
-    return {str(path.parent.relative_to(root)): [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-                                                 for line in path.read_text().splitlines()]
+    return {str(path.parent.relative_to(root)): log_rows(path.parent)
             for path in sorted(root.glob("point-*/*/metrics.jsonl"))}
 
 

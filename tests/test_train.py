@@ -22,7 +22,7 @@ from attnres.train.config import apply_override, tiny
 from attnres.train.data import load_corpus
 from attnres.train.trainer import TrainingDiverged, lr_at, train
 
-from .conftest import cli_in_process
+from .conftest import cli_in_process, log_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,12 +50,6 @@ def test_loss_falls_on_a_tiny_model(tmp_path, corpus):
     assert curve[40] < curve[1] - 1.5
     assert result.summary["final_val_loss"] < 4.0
     assert len(result.summary["layer_grad_norms"]) == 2
-
-
-def log_rows(run_dir):
-    """The logged rows without their timing fields."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
 
 def test_resume_continues_bit_for_bit_and_the_log_is_exact(tmp_path, corpus):
