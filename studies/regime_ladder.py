@@ -14,6 +14,11 @@ or with ``--step-ratios CSV`` the ratios of a quiet-machine benchmark instead
 each design, read by the label's part before ``:``).
 The baseline's fall per e-fold of budget, ``(L(1) - L(b)) / ln(b)`` per seed for each larger
 budget ``b``, sets the multiplier's scale beside the papers'.
+
+Where one seed of a design ends behind the baseline at budget 1, that seed has no multiplier
+(``"<1"``) and neither has the design. Each design's multiplier is therefore also read off the
+mean curves (``mean_curve_multiplier``): the budget at which the baseline's mean loss falls by
+the design's mean gap, and its interval the gap's 95% interval read through the same curve.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import statistics
 from pathlib import Path
 
-from attnres.analysis.budget import compute_equivalent
+from attnres.analysis.budget import check_budgets, compute_equivalent, equivalent_budget
 from attnres.analysis.comparison import budget_curves, load_comparison
 from attnres.analysis.stats import mean_and_sd, paired_difference
 
@@ -105,6 +111,22 @@ def benchmark_ratios(path: Path, designs: list[str], baseline: str) -> dict[str,
     return {name: [timed[row_of[name]] / timed[row_of[baseline]]] for name in designs}
 
 
+def mean_curve_multiplier(budgets: list[float], means: list[float], gap: float) -> float | None:
+    """The budget at which the baseline's mean curve ``means`` (its mean loss at each of
+    ``budgets``, made monotone and linear in ``log b`` between budgets, as
+    ``analysis.budget.equivalent_budget``) lies ``gap`` nats from its budget-1 mean (a design
+    ``gap`` below the baseline: ``gap < 0``). Behind the baseline (``gap > 0``) the curve is
+    extended below 1 with its slope from budget 1 to the next, ``m = exp(-gap / s)``, ``s`` the
+    fall per unit of ``log b`` there; None where the target lies beyond the largest budget, or
+    where the curve does not fall from budget 1 to the next."""
+    budgets = check_budgets(budgets)
+    target = means[0] + gap
+    if gap <= 0:
+        return equivalent_budget(budgets, means, target)[0]
+    slope = (means[0] - min(means[:2])) / math.log(budgets[1])
+    return math.exp(-gap / slope) if slope > 0 else None
+
+
 def ladder(pooled: dict) -> dict:
     """Per design: its losses' mean and sd, its gap to the baseline and its multiplier (in
     wall-clock terms with the mean of the step-time ratios); the baseline's fall per e-fold of
@@ -112,6 +134,7 @@ def ladder(pooled: dict) -> dict:
     baseline, budgets = pooled["baseline"], pooled["budgets"]
     base = pooled["losses"][baseline]
     curves = budget_curves(base, pooled["budget_runs"])
+    means = [statistics.fmean(curve[k] for curve in curves.values()) for k in range(len(budgets))]
     designs = {}
     for name, by_seed in pooled["losses"].items():
         mean, sd = mean_and_sd(list(by_seed.values()))
@@ -119,7 +142,14 @@ def ladder(pooled: dict) -> dict:
         if name != baseline:
             ratios = pooled["time_ratios"][name]
             ratio = sum(ratios) / len(ratios) if ratios else None
-            entry |= {"gap": paired_difference(base, by_seed), "time_ratios": ratios,
+            gap = paired_difference(base, by_seed)
+            read = [mean_curve_multiplier(budgets, means, g) for g in (gap["diff_mean"], *(gap["ci95"] or ()))]
+            # a larger gap is a smaller budget: the interval's upper end gives the lower multiplier
+            mean_curve = {"budget": read[0], "ci95": None if gap["ci95"] is None else [read[2], read[1]]}
+            mean_curve |= {"time": None if ratio is None or read[0] is None else read[0] / ratio,
+                           "time_ci95": None if ratio is None or mean_curve["ci95"] is None or None in read
+                           else [read[2] / ratio, read[1] / ratio]}
+            entry |= {"gap": gap, "time_ratios": ratios, "mean_curve": mean_curve,
                       "multiplier": compute_equivalent(budgets, curves, {s: v for s, v in by_seed.items() if s in curves},
                                                        ratio)}
         designs[name] = entry
@@ -127,34 +157,44 @@ def ladder(pooled: dict) -> dict:
     for k, b in enumerate(budgets[1:], start=1):
         per_seed = [(curve[0] - curve[k]) / math.log(b) for curve in curves.values()]
         falls[b] = mean_and_sd(per_seed)
-    return {"baseline": baseline, "designs": designs, "fall_per_efold": falls, "seeds": sorted(curves, key=int)}
+    return {"baseline": baseline, "designs": designs, "fall_per_efold": falls, "seeds": sorted(curves, key=int),
+            "baseline_means": dict(zip(budgets, means))}
+
+
+def _budget(value: float | None, ci: list | None) -> str:
+    """A multiplier and its interval as the table gives them (``beyond`` for an end without a value)."""
+    if value is None:
+        return "beyond"
+    ends = "" if ci is None else " [" + ", ".join("beyond" if x is None else f"{x:.2f}" for x in ci) + "]"
+    return f"{value:.2f}{ends}"
 
 
 def markdown(numbers: dict) -> str:
-    lines = ["| design | seeds | loss, mean ± sd | minus the baseline, 95% | multiplier [95%] | in wall-clock terms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| design | seeds | loss, mean ± sd | minus the baseline, 95% | multiplier, per seed [95%] | "
+             "multiplier, mean curves [the gap's 95%] | in wall-clock terms, per seed; mean curves |",
+             "|---|---|---|---|---|---|---|"]
     for name, e in numbers["designs"].items():
         sd = "" if e["sd"] is None else f" ± {e['sd']:.4f}"
         row = [name, str(e["seeds"]), f"{e['mean']:.4f}{sd}"]
         if "gap" in e:
-            g, m = e["gap"], e["multiplier"]
+            g, m, c = e["gap"], e["multiplier"], e["mean_curve"]
             ci = "one seed" if g["ci95"] is None else f"[{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}] {g['verdict']}"
             row.append(f"{g['diff_mean']:+.4f} {ci}")
-            if m["budget"] is None:
-                row += [f"beyond ({m['beyond']})", ""]
-            else:
-                mci = "" if m["ci95"] is None else f" [{m['ci95'][0]:.2f}, {m['ci95'][1]:.2f}]"
-                row.append(f"{m['budget']:.2f}{mci}")
-                ratios = ", ".join(f"{r:.3f}" for r in e["time_ratios"])
-                row.append("" if m["time"] is None else f"{m['time']:.2f} (step ratios {ratios})")
+            row.append(f"beyond ({m['beyond']})" if m["budget"] is None else _budget(m["budget"], m["ci95"]))
+            row.append(_budget(c["budget"], c["ci95"]))
+            ratios = ", ".join(f"{r:.3f}" for r in e["time_ratios"])
+            per_seed = "-" if m["time"] is None else f"{m['time']:.2f}"
+            curves = "-" if c["time"] is None else _budget(c["time"], c["time_ci95"])
+            row.append("" if not ratios else f"{per_seed}; {curves} (step ratios {ratios})")
         else:
-            row += ["(the baseline)", "", ""]
+            row += ["(the baseline)", "", "", ""]
         lines.append("| " + " | ".join(row) + " |")
     falls = "; ".join(f"1 to {b:g}: {mean:.3f}" + ("" if sd is None else f" ± {sd:.3f}")
                       for b, (mean, sd) in numbers["fall_per_efold"].items())
+    curve = ", ".join(f"{b:g}: {loss:.4f}" for b, loss in numbers["baseline_means"].items())
     lines.append("")
     lines.append(f"The baseline's fall per e-fold of budget, nats (mean ± sd over seeds {', '.join(numbers['seeds'])}): "
-                 f"{falls}.")
+                 f"{falls}. Its mean loss at each budget: {curve}.")
     return "\n".join(lines)
 
 

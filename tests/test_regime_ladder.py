@@ -41,7 +41,31 @@ def test_two_comparisons_pool_into_one_ladder():
     assert math.isclose(block["multiplier"]["time"], block["multiplier"]["budget"] / 1.25, rel_tol=1e-12)
     fall, sd = numbers["fall_per_efold"][2.0]  # PreNorm falls 0.20 nats from budget 1 to 2 at every seed
     assert math.isclose(fall, 0.2 / math.log(2), rel_tol=1e-9) and sd == pytest.approx(0, abs=1e-12)
+    # the mean curves: PreNorm 1.25 at budget 1, 1.05 at 2; Block's mean gap -0.4/3 is two thirds of the fall
+    assert numbers["baseline_means"] == pytest.approx({1.0: 1.25, 2.0: 1.05}, abs=1e-12)
+    curve = block["mean_curve"]
+    assert math.isclose(curve["budget"], 2 ** (2 / 3), rel_tol=1e-9)
+    # the gap's interval [-0.276, +0.010]: behind at its upper end (below 1), beyond budget 2 at its lower
+    assert curve["ci95"][0] < 1 < curve["budget"] and curve["ci95"][1] is None
+    assert math.isclose(curve["time"], curve["budget"] / 1.25, rel_tol=1e-12)
     assert "| block | 3 |" in ladder.markdown(numbers)
+
+
+def test_the_mean_curve_gives_a_multiplier_where_a_seed_is_behind():
+    ladder = load()
+    # by hand: PreNorm's mean falls 0.2 nats from budget 1 to 2, 0.2 / ln 2 per e-fold
+    assert math.isclose(ladder.mean_curve_multiplier([1, 2], [1.2, 1.0], -0.1), math.sqrt(2), rel_tol=1e-12)
+    assert ladder.mean_curve_multiplier([1, 2], [1.2, 1.0], 0.0) == 1.0
+    # behind PreNorm by half its fall: the slope extended below 1, exp(-0.1 / (0.2 / ln 2)) = 1 / sqrt(2)
+    assert math.isclose(ladder.mean_curve_multiplier([1, 2], [1.2, 1.0], 0.1), 1 / math.sqrt(2), rel_tol=1e-12)
+    assert ladder.mean_curve_multiplier([1, 2], [1.2, 1.0], -0.3) is None  # beyond the largest budget
+    assert ladder.mean_curve_multiplier([1, 2], [1.2, 1.3], 0.1) is None  # a curve that does not fall
+    # one seed behind: the per-seed multiplier has no value, the mean curves' has
+    a = point("a", {"4": 1.20, "5": 1.30}, {"4": 1.00, "5": 1.10}, {"4": 1.25, "5": 1.10}, 1.2)
+    block = ladder.ladder(ladder.pool([a]))["designs"]["block"]
+    assert block["multiplier"]["budget"] is None and block["multiplier"]["beyond"] == "<1"
+    assert math.isclose(block["mean_curve"]["budget"], 2 ** 0.375, rel_tol=1e-9)  # gap -0.075, 3/8 of the fall
+    assert "beyond (<1) | 1.30 [" in ladder.markdown(ladder.ladder(ladder.pool([a])))
 
 
 def test_comparisons_that_differ_in_more_than_their_seeds_do_not_pool():
