@@ -132,3 +132,24 @@ def test_the_script_refuses_a_step_ratios_file_it_cannot_read(tmp_path, capsys):
         ladder.main([str(folder), "--step-ratios", str(tmp_path / "absent.csv")])
     assert stopped.value.code == 2
     assert "--step-ratios: [Errno 2] No such file or directory" in capsys.readouterr().err
+
+
+def test_the_committed_ladder_gives_the_table_results_reports():
+    ladder = load()
+    study = Path(__file__).parents[1] / "docs" / "study" / "regime-ladder"
+    folders = [study / name for name in ("compare-20261207-055101", "compare-20261207-144358", "compare-20261207-223734")]
+    numbers = ladder.ladder(ladder.pool([ladder.folder_numbers(f) for f in folders]))
+    assert numbers["seeds"] == [str(s) for s in range(4, 16)]
+    # docs/RESULTS.md, "The compute ladder in the regime": each gap with its interval, and the
+    # multiplier read off the mean curves with the gap's interval
+    reported = {"block:lr=5e-3": ((-0.0057, -0.0149, +0.0035), (1.06, 0.96, 1.17)),
+                "mhar:lr=3e-3": ((-0.0155, -0.0235, -0.0074), (1.18, 1.08, 1.29)),
+                "full:lr=2e-3": ((-0.0056, -0.0153, +0.0041), (1.06, 0.96, 1.18))}
+    for name, (gap, multiplier) in reported.items():
+        e = numbers["designs"][name]
+        assert e["gap"]["diff_mean"] == pytest.approx(gap[0], abs=5e-5)
+        assert e["gap"]["ci95"] == pytest.approx(list(gap[1:]), abs=5e-5)
+        assert e["multiplier"]["budget"] is None  # a seed behind PreNorm: no per-seed multiplier
+        assert [e["mean_curve"]["budget"], *e["mean_curve"]["ci95"]] == pytest.approx(list(multiplier), abs=5e-3)
+    falls = {b: round(mean, 3) for b, (mean, _) in numbers["fall_per_efold"].items()}
+    assert falls == {1.5: 0.093, 2.0: 0.092, 3.0: 0.075}
