@@ -143,12 +143,12 @@ def ladder(pooled: dict) -> dict:
             ratios = pooled["time_ratios"][name]
             ratio = sum(ratios) / len(ratios) if ratios else None
             gap = paired_difference(base, by_seed)
-            read = [mean_curve_multiplier(budgets, means, g) for g in (gap["diff_mean"], *(gap["ci95"] or ()))]
+            budget = mean_curve_multiplier(budgets, means, gap["diff_mean"])
             # a larger gap is a smaller budget: the interval's upper end gives the lower multiplier
-            mean_curve = {"budget": read[0], "ci95": None if gap["ci95"] is None else [read[2], read[1]]}
-            mean_curve |= {"time": None if ratio is None or read[0] is None else read[0] / ratio,
-                           "time_ci95": None if ratio is None or mean_curve["ci95"] is None or None in read
-                           else [read[2] / ratio, read[1] / ratio]}
+            ci = None if gap["ci95"] is None else [mean_curve_multiplier(budgets, means, g) for g in gap["ci95"][::-1]]
+            in_time = ratio is not None and budget is not None
+            mean_curve = {"budget": budget, "ci95": ci, "time": budget / ratio if in_time else None,
+                          "time_ci95": [m / ratio for m in ci] if in_time and ci and None not in ci else None}
             entry |= {"gap": gap, "time_ratios": ratios, "mean_curve": mean_curve,
                       "multiplier": compute_equivalent(budgets, curves, {s: v for s, v in by_seed.items() if s in curves},
                                                        ratio)}
@@ -184,8 +184,8 @@ def markdown(numbers: dict) -> str:
             row.append(_budget(c["budget"], c["ci95"]))
             ratios = ", ".join(f"{r:.3f}" for r in e["time_ratios"])
             per_seed = "-" if m["time"] is None else f"{m['time']:.2f}"
-            curves = "-" if c["time"] is None else _budget(c["time"], c["time_ci95"])
-            row.append("" if not ratios else f"{per_seed}; {curves} (step ratios {ratios})")
+            from_means = "-" if c["time"] is None else _budget(c["time"], c["time_ci95"])
+            row.append("" if not ratios else f"{per_seed}; {from_means} (step ratios {ratios})")
         else:
             row += ["(the baseline)", "", "", ""]
         lines.append("| " + " | ".join(row) + " |")
